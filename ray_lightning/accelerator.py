@@ -1,0 +1,139 @@
+"""``RayAccelerator``: the accelerator the Trainer sees when training runs on Ray workers.
+
+It serves two purposes:
+
+* ``Trainer(accelerator=RayAccelerator(num_workers=4, cpus_per_worker=1, use_gpu=False))`` — the
+  classic form. Lightning 2.x picks strategies apart from accelerators, so
+  :mod:`ray_lightning.accelerator_hook` turns this accelerator into a :class:`RayStrategy`.
+* Inside each worker it does what Lightning's CPU or CUDA accelerator would do, following the
+  device the worker really got: the driver may have no GPU while the workers do.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+from pytorch_lightning.accelerators import Accelerator, AcceleratorRegistry, CPUAccelerator, CUDAAccelerator
+
+from ray_lightning import accelerator_hook
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+    from ray_lightning.strategy import RayStrategy
+
+# Set by the worker actor (ray_lightning.worker) so the accelerator knows it runs where training happens.
+_IN_RAY_WORKER = False
+
+
+class RayAccelerator(Accelerator):
+    """Train on ``num_workers`` Ray actors with PyTorch DDP.
+
+    Args:
+        num_workers: number of training processes (Ray actors).
+        cpus_per_worker: CPUs reserved for each worker.
+        use_gpu: reserve one GPU per worker and train on CUDA with NCCL.
+        **strategy_kwargs: any other :class:`~ray_lightning.RayStrategy` argument
+            (``resources_per_worker``, ``init_hook``, DDP keyword arguments, ...).
+
+    Example::
+
+        trainer = pl.Trainer(max_epochs=2,
+                             accelerator=RayAccelerator(num_workers=4, cpus_per_worker=1, use_gpu=False))
+        trainer.fit(model)
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 1,
+        cpus_per_worker: float = 1,
+        use_gpu: bool = False,
+        **strategy_kwargs: Any,
+    ) -> None:
+        accelerator_hook.ensure_installed()
+        super().__init__()
+        self._strategy_kwargs = dict(
+            num_workers=num_workers, num_cpus_per_worker=cpus_per_worker, use_gpu=use_gpu, **strategy_kwargs
+        )
+        self._strategy: Optional[RayStrategy] = None
+        # Validate now so bad arguments fail in Trainer(...), not in fit().
+        self.make_strategy()
+
+    def make_strategy(self) -> "RayStrategy":
+        """The strategy this accelerator stands for (built once)."""
+        if self._strategy is None:
+            from ray_lightning.strategy import RayStrategy
+
+            self._strategy = RayStrategy(**self._strategy_kwargs)
+            self._strategy.accelerator = self
+        return self._strategy
+
+    @classmethod
+    def _for_strategy(cls, strategy: "RayStrategy") -> "RayAccelerator":
+        """The accelerator a RayStrategy uses when the user did not pass a RayAccelerator."""
+        accelerator = cls.__new__(cls)
+        Accelerator.__init__(accelerator)
+        accelerator._strategy_kwargs = {}
+        accelerator._strategy = strategy
+        return accelerator
+
+    # -- inside a worker: behave like Lightning's accelerator for the device the worker got --------
+
+    @staticmethod
+    def _delegate(device: Union[torch.device, str, None]) -> Accelerator:
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        return CUDAAccelerator() if device.type == "cuda" else CPUAccelerator()
+
+    def setup_device(self, device: torch.device) -> None:
+        if not _IN_RAY_WORKER:
+            accelerator_hook.raise_not_converted(self)
+        if device.type == "cuda":
+            CUDAAccelerator().setup_device(device)
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            CUDAAccelerator().setup(trainer)
+
+    def teardown(self) -> None:
+        if _IN_RAY_WORKER and torch.cuda.is_initialized():
+            CUDAAccelerator().teardown()
+
+    def get_device_stats(self, device: Union[str, torch.device]) -> dict[str, Any]:
+        return self._delegate(device).get_device_stats(device)
+
+    # -- on the driver: Lightning asks these while building the Trainer ----------------------------
+
+    @staticmethod
+    def parse_devices(devices: Any) -> Any:
+        # The number of workers decides the devices; `Trainer(devices=...)` has no say.
+        return devices
+
+    @staticmethod
+    def get_parallel_devices(devices: Any) -> list[torch.device]:
+        # A placeholder: each worker learns its real device at launch.
+        return [torch.device("cpu")]
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return 1
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def name() -> str:
+        return "ray"
+
+    @classmethod
+    def register_accelerators(cls, accelerator_registry: Any) -> None:
+        accelerator_registry.register("ray", cls, description="DDP on Ray actors (ray_lightning)")
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self._strategy_kwargs.items())
+        return f"RayAccelerator({args})"
+
+
+if "ray" not in AcceleratorRegistry:
+    RayAccelerator.register_accelerators(AcceleratorRegistry)

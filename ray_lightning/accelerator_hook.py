@@ -1,0 +1,91 @@
+"""The one place where ray_lightning touches Lightning internals.
+
+Lightning 2.x accepts an ``Accelerator`` for ``Trainer(accelerator=...)`` and then chooses the
+strategy itself; there is no public hook for an accelerator to bring its own strategy. To keep the
+classic ``Trainer(accelerator=RayAccelerator(...))`` form working, this module wraps two methods of
+Lightning's private ``_AcceleratorConnector``:
+
+* ``_choose_strategy`` (called when ``strategy="auto"``): returns the accelerator's RayStrategy.
+* ``_init_strategy``: refuses a RayAccelerator combined with any other strategy (``"ddp"`` would
+  re-launch ``sys.argv`` instead of using Ray).
+
+If a Lightning release renames or removes these, :func:`ensure_installed` raises when a
+RayAccelerator is created, and :meth:`RayAccelerator.setup_device` raises if training ever starts
+outside a Ray worker, so a change can never silently train single-process.
+``tests/test_accelerator_hook.py`` fails when either wrapped method disappears.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytorch_lightning as pl
+
+_WRAPPED = ("_choose_strategy", "_init_strategy")
+_install_error: Optional[str] = None
+_installed = False
+
+
+def _connector_class() -> Any:
+    from pytorch_lightning.trainer.connectors import accelerator_connector
+
+    return getattr(accelerator_connector, "_AcceleratorConnector", None)
+
+
+def _install() -> None:
+    global _install_error, _installed
+    connector = _connector_class()
+    missing = [name for name in _WRAPPED if connector is None or not callable(getattr(connector, name, None))]
+    if missing:
+        _install_error = (
+            f"pytorch_lightning {pl.__version__} has no _AcceleratorConnector.{', '.join(missing)}, which "
+            "ray_lightning uses to turn Trainer(accelerator=RayAccelerator(...)) into a RayStrategy. "
+            "Use Trainer(strategy=RayStrategy(...)) instead, or a pytorch_lightning version ray_lightning supports."
+        )
+        return
+
+    original_choose = connector._choose_strategy
+    original_init = connector._init_strategy
+
+    def _choose_strategy(self: Any) -> Any:
+        from ray_lightning.accelerator import RayAccelerator
+
+        accelerator = getattr(self, "accelerator", None)
+        if isinstance(accelerator, RayAccelerator):
+            return accelerator.make_strategy()
+        return original_choose(self)
+
+    def _init_strategy(self: Any) -> None:
+        from ray_lightning.accelerator import RayAccelerator
+        from ray_lightning.strategy import RayStrategy
+
+        original_init(self)
+        accelerator = getattr(self, "accelerator", None)
+        if isinstance(accelerator, RayAccelerator) and not isinstance(self.strategy, RayStrategy):
+            raise ValueError(
+                f"Trainer(accelerator=RayAccelerator(...)) cannot be combined with strategy="
+                f"{self._strategy_flag!r}: the RayAccelerator brings its own RayStrategy. "
+                "Drop the strategy argument, or pass strategy=RayStrategy(...) without the RayAccelerator."
+            )
+
+    _choose_strategy.__wrapped__ = original_choose  # type: ignore[attr-defined]
+    _init_strategy.__wrapped__ = original_init  # type: ignore[attr-defined]
+    connector._choose_strategy = _choose_strategy
+    connector._init_strategy = _init_strategy
+    _installed = True
+
+
+def ensure_installed() -> None:
+    """Install the wrappers once; raise if this Lightning version no longer has what they wrap."""
+    if not _installed and _install_error is None:
+        _install()
+    if _install_error is not None:
+        raise RuntimeError(_install_error)
+
+
+def raise_not_converted(accelerator: Any) -> None:
+    raise RuntimeError(
+        f"{accelerator!r} reached training outside a Ray worker: the Trainer did not turn it into a "
+        f"RayStrategy (pytorch_lightning {pl.__version__} may have changed how it chooses strategies). "
+        "Refusing to train single-process. Use Trainer(strategy=RayStrategy(...)) instead."
+    )

@@ -1,0 +1,315 @@
+"""``RayLauncher``: starts the worker actors, wires up their ranks, returns the results.
+
+This is what Lightning calls instead of re-running ``sys.argv`` (``ddp``) or forking (``ddp_spawn``).
+For every ``fit``/``validate``/``test``/``predict`` it
+
+1. connects to Ray (a local one is started if none is running),
+2. checks that the cluster can hold the request and reserves it as one placement group, waiting at
+   most ``placement_timeout_s``,
+3. puts the Trainer, the module and the arguments into the object store once,
+4. starts one :class:`~ray_lightning.worker.RayWorker` per bundle, learns where each landed and
+   assigns ranks and GPUs (:mod:`ray_lightning.environment`),
+5. waits for all of them without polling; the first failure kills the group and is raised with
+   its rank and traceback,
+6. copies rank 0's results onto the driver's Trainer (:mod:`ray_lightning.results`).
+
+The actors and the placement group are removed after every call, whatever happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import ray
+from pytorch_lightning.strategies.launchers.launcher import _Launcher
+from pytorch_lightning.trainer.states import TrainerFn
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ray_lightning.environment import assign_cuda_devices, assign_ranks, shares_a_gpu
+from ray_lightning.resources import (
+    ClusterResourceError,
+    WorkerResources,
+    check_cluster_can_hold,
+    describe_totals,
+)
+from ray_lightning.results import WorkerOutput, apply_to_driver, merge_predictions
+from ray_lightning.worker import NodeInfo, RayWorker, WorkerContext
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+    from ray_lightning.strategy import RayStrategy
+
+log = logging.getLogger(__name__)
+
+# Environment variables of the driver that Lightning reads in the workers (seed, deterministic flags).
+_FORWARDED_ENV_PREFIXES = ("PL_", "CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED")
+
+
+class RayWorkerError(RuntimeError):
+    """A worker raised or died. ``rank`` is its global rank; the message holds its traceback."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def ensure_ray_initialized() -> None:
+    """Use the Ray this process is connected to, else ``RAY_ADDRESS``'s cluster, else start a local one."""
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"))
+
+
+class RayLauncher(_Launcher):
+    """Runs a Trainer function on Ray actors; see the module docstring for the steps."""
+
+    def __init__(self, strategy: "RayStrategy") -> None:
+        self._strategy = strategy
+        self._group: Optional[_WorkerGroup] = None
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        strategy = self._strategy
+        request = strategy.resources
+        ensure_ray_initialized()
+        check_cluster_can_hold(request, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+        payload = _put_payload(trainer, function, args, kwargs)
+
+        group = _WorkerGroup.start(request, strategy.placement_timeout_s)
+        self._group = group
+        try:
+            infos = group.node_infos(strategy.worker_start_timeout_s)
+            outputs = group.run(payload, self._contexts(infos), strategy.init_hook, strategy.worker_start_timeout_s)
+        finally:
+            self._group = None
+            group.shutdown()
+
+        rank_zero = next(o for o in outputs if o is not None and o.trainer_state is not None)
+        if trainer is None:
+            return rank_zero.results
+        apply_to_driver(trainer, rank_zero)
+        if trainer.state.fn == TrainerFn.PREDICTING and rank_zero.results is not None:
+            per_rank = [o.predictions or [] for o in outputs if o is not None]
+            return merge_predictions(per_rank, len(trainer.num_predict_batches) or 1)
+        return rank_zero.results
+
+    def _contexts(self, infos: list[NodeInfo]) -> list[WorkerContext]:
+        node_ids = [i.node_id for i in infos]
+        gpu_ids = [i.gpu_ids for i in infos]
+        ranks = assign_ranks(node_ids)
+        devices = assign_cuda_devices(node_ids, gpu_ids)
+        shared = shares_a_gpu(node_ids, gpu_ids)
+        rank_zero = infos[0]  # assign_ranks always gives actor 0 global rank 0
+        port = self._group_or_fail().open_rendezvous(self._strategy.worker_start_timeout_s)
+        driver_node = ray.get_runtime_context().get_node_id()
+        env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
+        num_nodes = len(set(node_ids))
+        log.info(
+            "ray_lightning: %s on %d node(s): %s",
+            self._strategy.resources.describe(),
+            num_nodes,
+            ", ".join(f"rank {r.global_rank} on {i.node_ip} (pid {i.pid}, GPUs {i.gpu_ids or 'none'})" for r, i in zip(ranks, infos)),
+        )
+        return [
+            WorkerContext(
+                rank=rank,
+                world_size=len(infos),
+                num_nodes=num_nodes,
+                main_address=rank_zero.node_ip,
+                main_port=port,
+                cuda_visible_devices=visible,
+                device_index=index,
+                shares_gpu=shared,
+                send_files=rank.global_rank == 0 and info.node_id != driver_node,
+                env_vars=env,
+            )
+            for rank, info, (visible, index) in zip(ranks, infos, devices)
+        ]
+
+    def _group_or_fail(self) -> "_WorkerGroup":
+        assert self._group is not None, "no worker group is running"
+        return self._group
+
+    def kill(self, signum: Any) -> None:
+        if self._group is not None:
+            self._group.shutdown()
+
+    def __getstate__(self) -> dict:
+        # Shipped to the workers inside the Trainer: actor handles stay on the driver.
+        state = self.__dict__.copy()
+        state["_group"] = None
+        return state
+
+
+def _put_payload(trainer: Optional["pl.Trainer"], function: Callable, args: tuple, kwargs: dict) -> ray.ObjectRef:
+    """Serialize the Trainer, module and arguments once; every worker reads the same object."""
+    try:
+        return ray.put((trainer, function, args, kwargs))
+    except Exception as error:
+        culprit = _find_unserializable(trainer, args, kwargs)
+        raise TypeError(
+            f"ray_lightning could not send the training job to the Ray workers: {culprit or error}. "
+            "Everything reachable from the LightningModule, DataModule, callbacks and loggers must be picklable; "
+            "create such objects (locks, open files, clients) in `setup()` instead of `__init__()`."
+        ) from error
+
+
+def _find_unserializable(trainer: Optional["pl.Trainer"], args: tuple, kwargs: dict) -> Optional[str]:
+    candidates: list[tuple[str, Any]] = []
+    if trainer is not None and trainer.lightning_module is not None:
+        candidates.append((type(trainer.lightning_module).__name__, trainer.lightning_module))
+    candidates += [(f"argument {i}", a) for i, a in enumerate(args) if a is not None]
+    candidates += [(f"argument {k!r}", v) for k, v in kwargs.items() if v is not None]
+    if trainer is not None:
+        candidates += [(type(cb).__name__, cb) for cb in trainer.callbacks]
+        candidates += [(type(lg).__name__, lg) for lg in trainer.loggers]
+    for label, obj in candidates:
+        found = _deepest_unpicklable(obj, label, depth=0)
+        if found:
+            return found
+    return None
+
+
+_MODULE_CONTAINERS = ("_modules", "_parameters", "_buffers")
+
+
+def _deepest_unpicklable(obj: Any, path: str, depth: int) -> Optional[str]:
+    """The most specific attribute path under ``obj`` that cloudpickle refuses, or None."""
+    from ray import cloudpickle
+
+    try:
+        cloudpickle.dumps(obj)
+        return None
+    except Exception as error:  # noqa: BLE001 - any pickling failure is what we look for
+        reason = f"{type(error).__name__}: {error}"
+    children: list[tuple[str, Any]] = []
+    if depth < 6:
+        if isinstance(obj, dict):
+            children = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+        elif isinstance(obj, (list, tuple, set)):
+            children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+        elif hasattr(obj, "__dict__"):
+            for name, value in vars(obj).items():
+                if name in _MODULE_CONTAINERS and isinstance(value, dict):
+                    children += [(f"{path}.{k}", v) for k, v in value.items()]
+                else:
+                    children.append((f"{path}.{name}", value))
+    for child_path, child in children:
+        found = _deepest_unpicklable(child, child_path, depth + 1)
+        if found:
+            return found
+    return f"{path} cannot be pickled ({reason})"
+
+
+class _WorkerGroup:
+    """The placement group and the actors of one launch."""
+
+    def __init__(self, pg: Any, actors: list[Any]) -> None:
+        self.pg = pg
+        self.actors = actors
+        self.infos: list[NodeInfo] = []
+
+    @classmethod
+    def start(cls, request: WorkerResources, timeout_s: float) -> "_WorkerGroup":
+        bundles = [request.bundle() for _ in range(request.num_workers)]
+        pg = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except GetTimeoutError:
+            remove_placement_group(pg)
+            raise ClusterResourceError(
+                f"Could not reserve {request.describe()} within {timeout_s:g} s "
+                f"(placement_timeout_s). The cluster has {describe_totals(ray.cluster_resources())}, "
+                f"of which {describe_totals(ray.available_resources())} are free now; other jobs or "
+                "trials may hold the rest. Use fewer workers, wait for them to finish, or raise "
+                "placement_timeout_s."
+            ) from None
+        except BaseException:
+            remove_placement_group(pg)
+            raise
+        remote = ray.remote(RayWorker)
+        actors = [
+            remote.options(
+                **request.actor_options(),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            ).remote()
+            for i in range(request.num_workers)
+        ]
+        return cls(pg, actors)
+
+    def node_infos(self, timeout_s: float) -> list[NodeInfo]:
+        self.infos = self._get([a.node_info.remote() for a in self.actors], timeout_s, "report where they run")
+        return self.infos
+
+    def open_rendezvous(self, timeout_s: float) -> int:
+        return self._get([self.actors[0].open_rendezvous.remote(timeout_s)], timeout_s, "open the rendezvous")[0]
+
+    def _get(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except GetTimeoutError:
+            raise TimeoutError(
+                f"ray_lightning: the worker actors did not {what} within {timeout_s:g} s "
+                "(worker_start_timeout_s); a worker process may be stuck starting or importing."
+            ) from None
+        except RayActorError as error:
+            raise RayWorkerError(f"A ray_lightning worker died while starting: {error}", rank=-1) from error
+
+    def run(
+        self,
+        payload: ray.ObjectRef,
+        contexts: list[WorkerContext],
+        init_hook: Optional[Callable[[], Any]],
+        timeout_s: float,
+    ) -> list[Optional[WorkerOutput]]:
+        """Run every worker; return their outputs in actor order, or raise the first failure."""
+        refs = [actor.execute.remote(payload, ctx, init_hook) for actor, ctx in zip(self.actors, contexts)]
+        pending = {ref: i for i, ref in enumerate(refs)}
+        outputs: list[Optional[WorkerOutput]] = [None] * len(refs)
+        while pending:
+            # Blocks until some worker finishes or fails: no polling, no timeout on training itself.
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                i = pending.pop(ref)
+                try:
+                    outputs[i] = ray.get(ref)
+                except RayTaskError as error:
+                    raise self._failure(i, contexts[i], error, died=False) from _cause(error)
+                except RayActorError as error:
+                    raise self._failure(i, contexts[i], error, died=True) from None
+        return outputs
+
+    def _failure(self, i: int, context: WorkerContext, error: Exception, died: bool) -> RayWorkerError:
+        info = self.infos[i] if i < len(self.infos) else None
+        where = f"node {info.node_ip}, pid {info.pid}" if info else "unknown node"
+        rank = context.rank.global_rank
+        if died:
+            message = (
+                f"ray_lightning worker rank {rank} ({where}) died unexpectedly (killed, out of memory, or "
+                f"its node failed): {error}. All workers have been stopped."
+            )
+        else:
+            trace = getattr(error, "traceback_str", None) or str(error)
+            message = f"ray_lightning worker rank {rank} ({where}) raised an exception. All workers have been stopped.\n{trace}"
+        return RayWorkerError(message, rank=rank)
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        with contextlib.suppress(Exception):
+            remove_placement_group(self.pg)
+        self.actors = []
+
+
+def _cause(error: RayTaskError) -> Optional[BaseException]:
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else None

@@ -1,0 +1,108 @@
+"""The Ray actor that runs one training process, and what it does once started.
+
+Each ``fit``/``validate``/``test``/``predict`` starts ``num_workers`` :class:`RayWorker` actors
+(see :mod:`ray_lightning.launcher`). An actor reports where it runs (:meth:`RayWorker.node_info`),
+rank 0 opens the rendezvous store (:meth:`RayWorker.open_rendezvous`), then every actor receives its
+rank and runs the Trainer function (:meth:`RayWorker.execute`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import ray
+
+from ray_lightning.environment import WorkerRank
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Everything a worker learns from the launcher before it trains."""
+
+    rank: WorkerRank
+    world_size: int
+    num_nodes: int
+    main_address: str
+    main_port: int
+    cuda_visible_devices: str
+    device_index: Optional[int]
+    shares_gpu: bool
+    send_files: bool
+    env_vars: dict[str, str]
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    node_ip: str
+    hostname: str
+    pid: int
+    gpu_ids: list[str]
+
+
+class RayWorker:
+    """One training process. Created through ``ray.remote(RayWorker).options(...)`` by the launcher."""
+
+    def __init__(self) -> None:
+        self._store: Any = None
+
+    def node_info(self) -> NodeInfo:
+        return NodeInfo(
+            node_id=ray.get_runtime_context().get_node_id(),
+            node_ip=ray.util.get_node_ip_address(),
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            gpu_ids=[str(g) for g in ray.get_gpu_ids()],
+        )
+
+    def open_rendezvous(self, timeout_s: float) -> int:
+        """Start torch.distributed's TCPStore on a port the OS picks, and return that port.
+
+        Binding port 0 here, in the process that keeps the store open, means no other process can
+        take the port between choosing and using it, so concurrent fits on one node never collide.
+        """
+        from torch.distributed import TCPStore
+
+        self._store = TCPStore(
+            "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        )
+        return self._store.port
+
+    def execute(self, payload: tuple, context: WorkerContext, init_hook: Optional[Callable[[], Any]]) -> Any:
+        """Run the Trainer function (``trainer._fit_impl`` etc.) with this worker's rank."""
+        from pytorch_lightning.trainer.states import TrainerFn
+
+        from ray_lightning import accelerator as accelerator_module
+        from ray_lightning.results import PredictionRecorder, collect_worker_output
+
+        trainer, function, args, kwargs = payload
+        accelerator_module._IN_RAY_WORKER = True
+        os.environ.update(context.env_vars)
+        os.environ.update(
+            {
+                "LOCAL_RANK": str(context.rank.local_rank),
+                "RANK": str(context.rank.global_rank),
+                "NODE_RANK": str(context.rank.node_rank),
+                "WORLD_SIZE": str(context.world_size),
+                "LOCAL_WORLD_SIZE": str(context.rank.local_world_size),
+                "MASTER_ADDR": context.main_address,
+                "MASTER_PORT": str(context.main_port),
+            }
+        )
+        if context.device_index is not None:
+            # Must happen before CUDA is initialised in this process.
+            os.environ["CUDA_VISIBLE_DEVICES"] = context.cuda_visible_devices
+        if init_hook is not None:
+            init_hook()
+
+        trainer.strategy._attach_worker(context, self._store)
+        recorder = None
+        if trainer.state.fn == TrainerFn.PREDICTING:
+            recorder = PredictionRecorder()
+            trainer.callbacks.append(recorder)
+        results = function(*args, **kwargs)
+        return collect_worker_output(trainer, results, recorder, context.send_files)

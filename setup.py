@@ -1,0 +1,24 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="ray_lightning",
+    version="0.4.0",
+    description="Distributed PyTorch Lightning training on Ray: DDP between Ray actors, from a laptop to a cluster.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["ray_lightning", "ray_lightning.*"]),
+    python_requires=">=3.10",
+    # torch is not pinned to a build here: install the CPU or CUDA build you need first (dev.py does).
+    install_requires=[
+        "torch>=2.1",
+        "pytorch-lightning>=2.6,<2.7",
+        "ray[default,tune]>=2.60,<2.61",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout", "scikit-learn", "tensorboard"],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

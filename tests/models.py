@@ -1,0 +1,214 @@
+"""Small LightningModules and data used across the tests (no downloads: sklearn's digits or generated)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+
+class IndexedDataset(Dataset):
+    """Random regression data whose items carry their own index, so tests can see what each rank got."""
+
+    def __init__(self, size: int = 64, dim: int = 8, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(size, dim, generator=g)
+        self.y = self.x.sum(dim=1, keepdim=True)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
+class BoringModel(pl.LightningModule):
+    """A linear regressor on :class:`IndexedDataset`."""
+
+    def __init__(self, dim: int = 8, lr: float = 0.05, batch_size: int = 8, size: int = 64) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        x, y, _ = batch
+        self.log("test_loss", F.mse_loss(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        x, _, i = batch
+        return {"index": i, "pred": self(x)}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    def _loader(self, seed: int, shuffle: bool = False, num_workers: int = 0):
+        return DataLoader(
+            IndexedDataset(self.hparams.size, self.hparams.dim, seed),
+            batch_size=self.hparams.batch_size,
+            shuffle=shuffle,
+            num_workers=num_workers,
+        )
+
+    def train_dataloader(self):
+        return self._loader(0, shuffle=True)
+
+    def val_dataloader(self):
+        return self._loader(1)
+
+    def test_dataloader(self):
+        return self._loader(2)
+
+    def predict_dataloader(self):
+        return self._loader(3)
+
+
+class DigitsClassifier(pl.LightningModule):
+    """An MLP on scikit-learn's bundled 8x8 digits: a real task with a real accuracy."""
+
+    def __init__(self, hidden: int = 64, lr: float = 0.01, batch_size: int = 64) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def _step(self, batch, prefix: str):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        acc = (logits.argmax(dim=1) == y).float().mean()
+        self.log(f"{prefix}_loss", loss, sync_dist=prefix != "train", prog_bar=True)
+        self.log(f"{prefix}_acc", acc, sync_dist=prefix != "train", prog_bar=True)
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        return self._step(batch, "train")
+
+    def validation_step(self, batch, batch_idx):
+        self._step(batch, "val")
+
+    def test_step(self, batch, batch_idx):
+        self._step(batch, "test")
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+class DigitsDataModule(pl.LightningDataModule):
+    def __init__(self, batch_size: int = 64) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+
+    def setup(self, stage: str) -> None:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
+        y = torch.tensor(digits.target, dtype=torch.long)
+        perm = torch.from_numpy(np.random.RandomState(0).permutation(len(x)))
+        x, y = x[perm], y[perm]
+        self.train_set = TensorDataset(x[:1400], y[:1400])
+        self.val_set = TensorDataset(x[1400:], y[1400:])
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+    def test_dataloader(self):
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+
+class Recorder(pl.Callback):
+    """Runs in the workers; writes what each rank saw to ``<directory>/<name>-rank<r>-<n>.json``.
+
+    The tests run on one machine, so the driver reads the files the workers wrote.
+    """
+
+    def __init__(self, directory, name: str = "fit") -> None:
+        self.directory = str(directory)
+        self.name = name
+        self.seen_indices: list[list[int]] = []
+
+    def _write(self, trainer, key: str, payload: dict) -> None:
+        import json
+        import os
+
+        path = os.path.join(self.directory, f"{self.name}-{key}-rank{trainer.global_rank}.json")
+        with open(path, "w") as f:
+            json.dump(payload, f)
+
+    def on_fit_start(self, trainer, pl_module):
+        import os
+
+        import ray
+
+        sampler = trainer.train_dataloader.sampler if trainer.train_dataloader is not None else None
+        self._write(
+            trainer,
+            "start",
+            {
+                "global_rank": trainer.global_rank,
+                "local_rank": trainer.local_rank,
+                "node_rank": trainer.node_rank,
+                "world_size": trainer.world_size,
+                "num_nodes": trainer.num_nodes,
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "resources": ray.get_runtime_context().get_assigned_resources(),
+                "pid": os.getpid(),
+                "env_hook": os.environ.get("RAY_LIGHTNING_TEST_HOOK"),
+                "progress_bar_enabled": bool(trainer.progress_bar_callback and trainer.progress_bar_callback.is_enabled),
+                "device": str(pl_module.device),
+                "backend": __import__("torch").distributed.get_backend(),
+            },
+        )
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.seen_indices.append([])
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if isinstance(batch, (list, tuple)) and len(batch) == 3:
+            self.seen_indices[-1].extend(int(i) for i in batch[2])
+
+    def on_train_end(self, trainer, pl_module):
+        sampler = trainer.train_dataloader.sampler
+        self._write(
+            trainer,
+            "end",
+            {
+                "indices": self.seen_indices,
+                "sampler": type(sampler).__name__,
+                "num_replicas": getattr(sampler, "num_replicas", None),
+                "rank": getattr(sampler, "rank", None),
+            },
+        )
+
+
+def read_records(directory, name: str, key: str) -> list[dict]:
+    """The records of all ranks, ordered by global rank."""
+    import json
+    from pathlib import Path
+
+    files = sorted(Path(directory).glob(f"{name}-{key}-rank*.json"))
+    records = [json.loads(f.read_text()) for f in files]
+    return sorted(records, key=lambda r: r.get("global_rank", 0))
