@@ -62,9 +62,10 @@ def _install() -> None:
         original_init(self)
         accelerator = getattr(self, "accelerator", None)
         if isinstance(accelerator, RayAccelerator) and not isinstance(self.strategy, RayStrategy):
+            flag = self._strategy_flag
+            shown = repr(flag) if isinstance(flag, str) else f"{type(flag).__name__}(...)"
             raise ValueError(
-                f"Trainer(accelerator=RayAccelerator(...)) cannot be combined with strategy="
-                f"{self._strategy_flag!r}: the RayAccelerator brings its own RayStrategy. "
+                f"Trainer(accelerator=RayAccelerator(...)) cannot be combined with strategy={shown}: the RayAccelerator brings its own RayStrategy. "
                 "Drop the strategy argument, or pass strategy=RayStrategy(...) without the RayAccelerator."
             )
 

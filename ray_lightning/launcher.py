@@ -71,6 +71,8 @@ class RayLauncher(_Launcher):
     def __init__(self, strategy: "RayStrategy") -> None:
         self._strategy = strategy
         self._group: Optional[_WorkerGroup] = None
+        # Checkpoint files the last launch copied from rank 0's node onto the driver's machine.
+        self.transferred_files: list[str] = []
 
     @property
     def is_interactive_compatible(self) -> bool:
@@ -96,6 +98,9 @@ class RayLauncher(_Launcher):
         if trainer is None:
             return rank_zero.results
         apply_to_driver(trainer, rank_zero)
+        self.transferred_files = sorted(rank_zero.files)
+        if self.transferred_files:
+            log.info("ray_lightning: copied %s from rank 0's node to this machine", ", ".join(self.transferred_files))
         if trainer.state.fn == TrainerFn.PREDICTING and rank_zero.results is not None:
             per_rank = [o.predictions or [] for o in outputs if o is not None]
             return merge_predictions(per_rank, len(trainer.num_predict_batches) or 1)

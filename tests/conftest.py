@@ -13,19 +13,10 @@ SESSION_CPUS = 8
 SESSION_RESOURCES = {"custom_accel": 4}
 
 
-@pytest.fixture(scope="session")
-def ray_session():
-    """A local Ray cluster shared by every test that uses it."""
-    if not ray.is_initialized():
-        ray.init(num_cpus=SESSION_CPUS, resources=SESSION_RESOURCES, include_dashboard=True, log_to_driver=True)
-    yield ray
-    # Left running for other tests; pytest's exit tears the local cluster down.
-
-
 @pytest.fixture
-def ray_local(ray_session):
-    """The shared local Ray; re-started if a multi-node test replaced it."""
-    if ray.get_runtime_context().gcs_address and "custom_accel" not in ray.cluster_resources():
+def ray_local():
+    """The local Ray shared by the tests: started on first use, re-started after a multi-node test."""
+    if not ray.is_initialized() or "custom_accel" not in ray.cluster_resources():
         ray.shutdown()
         ray.init(num_cpus=SESSION_CPUS, resources=SESSION_RESOURCES, include_dashboard=True)
     yield ray

@@ -192,6 +192,9 @@ class PrepareDataModule(pl.LightningDataModule):
     def train_dataloader(self):
         return DataLoader(IndexedDataset(32, 8), batch_size=8)
 
+    def val_dataloader(self):
+        return DataLoader(IndexedDataset(32, 8, seed=1), batch_size=8)
+
 
 def test_prepare_data_runs_once_per_node(tmp_path):
     marks = tmp_path / "marks"

@@ -1,0 +1,90 @@
+"""Several Ray nodes on this machine (ray.cluster_utils.Cluster): ranks, data preparation, checkpoints."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import pytest
+import pytorch_lightning as pl
+import ray
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from ray.cluster_utils import Cluster
+
+from ray_lightning import RayStrategy
+from tests.models import BoringModel, Recorder, read_records
+from tests.test_training import PrepareDataModule
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    """A head node the driver runs on (no worker slots) and two nodes with two worker slots each."""
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for name in ("node_a", "node_b"):
+        cluster.add_node(num_cpus=2, resources={"worker_slot": 2, name: 1})
+    try:
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_ranks_data_and_checkpoints_across_nodes(two_node_cluster, tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", save_last=True)
+    strategy = RayStrategy(num_workers=4, resources_per_worker={"CPU": 1, "worker_slot": 1})
+    trainer = pl.Trainer(
+        max_epochs=2,
+        strategy=strategy,
+        callbacks=[Recorder(tmp_path), checkpoint],
+        logger=False,
+        enable_progress_bar=False,
+    )
+    model = BoringModel()
+    before = model.layer.weight.clone()
+    trainer.fit(model, datamodule=PrepareDataModule(marks))
+
+    starts = read_records(tmp_path, "fit", "start")
+    assert [s["global_rank"] for s in starts] == [0, 1, 2, 3]
+    by_node = defaultdict(list)
+    for s in starts:
+        by_node[s["node_id"]].append(s)
+    driver_node = ray.get_runtime_context().get_node_id()
+    assert len(by_node) == 2 and driver_node not in by_node
+    assert sorted(records[0]["node_rank"] for records in by_node.values()) == [0, 1]
+    for records in by_node.values():
+        assert sorted(r["local_rank"] for r in records) == [0, 1]
+        assert len({r["node_rank"] for r in records}) == 1
+        ranks = sorted(r["global_rank"] for r in records)
+        assert ranks[1] == ranks[0] + 1, "workers on one node should hold consecutive global ranks"
+    assert {(s["world_size"], s["num_nodes"]) for s in starts} == {(4, 2)}
+
+    # prepare_data ran once per node, on local rank 0.
+    assert len(list(marks.iterdir())) == 2
+
+    # Rank 0 ran on another node: its checkpoints were copied to the driver and load here.
+    assert not torch.equal(before, model.layer.weight)
+    assert checkpoint.best_model_path in trainer.strategy.launcher.transferred_files
+    assert checkpoint.last_model_path in trainer.strategy.launcher.transferred_files
+    restored = BoringModel.load_from_checkpoint(checkpoint.best_model_path)
+    assert restored.hparams.batch_size == 8
+    assert os.path.getsize(checkpoint.best_model_path) > 0
+
+
+def test_placement_spreads_when_one_node_is_not_enough(two_node_cluster, tmp_path):
+    # 3 workers, 2 slots per node: PACK fills one node and puts the third worker on the other.
+    strategy = RayStrategy(num_workers=3, resources_per_worker={"CPU": 1, "worker_slot": 1})
+    trainer = pl.Trainer(max_epochs=1, strategy=strategy, callbacks=[Recorder(tmp_path)], logger=False,
+                         enable_progress_bar=False)
+    trainer.fit(BoringModel())
+    starts = read_records(tmp_path, "fit", "start")
+    per_node = defaultdict(list)
+    for s in starts:
+        per_node[s["node_id"]].append((s["global_rank"], s["local_rank"], s["node_rank"]))
+    assert sorted(len(v) for v in per_node.values()) == [1, 2]
+    assert sorted(g for v in per_node.values() for g, _, _ in v) == [0, 1, 2]
