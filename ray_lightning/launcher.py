@@ -21,11 +21,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import ray
 from pytorch_lightning.strategies.launchers.launcher import _Launcher
 from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -117,12 +119,11 @@ class RayLauncher(_Launcher):
         driver_node = ray.get_runtime_context().get_node_id()
         env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
         num_nodes = len(set(node_ids))
-        log.info(
-            "ray_lightning: %s on %d node(s): %s",
-            self._strategy.resources.describe(),
-            num_nodes,
-            ", ".join(f"rank {r.global_rank} on {i.node_ip} (pid {i.pid}, GPUs {i.gpu_ids or 'none'})" for r, i in zip(ranks, infos)),
+        placed = ", ".join(
+            f"rank {r.global_rank} on {i.node_ip} (pid {i.pid}, GPUs {','.join(i.gpu_ids) or 'none'})"
+            for r, i in sorted(zip(ranks, infos), key=lambda p: p[0].global_rank)
         )
+        rank_zero_info(f"ray_lightning: {self._strategy.resources.describe()} on {num_nodes} node(s): {placed}")
         return [
             WorkerContext(
                 rank=rank,
@@ -135,6 +136,7 @@ class RayLauncher(_Launcher):
                 shares_gpu=shared,
                 send_files=rank.global_rank == 0 and info.node_id != driver_node,
                 env_vars=env,
+                driver_sys_path=tuple(p for p in sys.path if p),
             )
             for rank, info, (visible, index) in zip(ranks, infos, devices)
         ]
@@ -276,7 +278,7 @@ class _WorkerGroup:
         timeout_s: float,
     ) -> list[Optional[WorkerOutput]]:
         """Run every worker; return their outputs in actor order, or raise the first failure."""
-        refs = [actor.execute.remote(payload, ctx, init_hook) for actor, ctx in zip(self.actors, contexts)]
+        refs = [actor.execute.remote([payload], ctx, init_hook) for actor, ctx in zip(self.actors, contexts)]
         pending = {ref: i for i, ref in enumerate(refs)}
         outputs: list[Optional[WorkerOutput]] = [None] * len(refs)
         while pending:

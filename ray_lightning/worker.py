@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -33,6 +34,7 @@ class WorkerContext:
     shares_gpu: bool
     send_files: bool
     env_vars: dict[str, str]
+    driver_sys_path: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,14 +74,24 @@ class RayWorker:
         )
         return self._store.port
 
-    def execute(self, payload: tuple, context: WorkerContext, init_hook: Optional[Callable[[], Any]]) -> Any:
-        """Run the Trainer function (``trainer._fit_impl`` etc.) with this worker's rank."""
+    def execute(
+        self, payload: list[ray.ObjectRef], context: WorkerContext, init_hook: Optional[Callable[[], Any]]
+    ) -> Any:
+        """Run the Trainer function (``trainer._fit_impl`` etc.) with this worker's rank.
+
+        ``payload`` is ``[ref]`` rather than ``ref`` so that Ray does not unpickle it before the
+        driver's import paths are in place: the module may come from a directory only the driver
+        had on ``sys.path``.
+        """
         from pytorch_lightning.trainer.states import TrainerFn
 
         from ray_lightning import accelerator as accelerator_module
         from ray_lightning.results import PredictionRecorder, collect_worker_output
 
-        trainer, function, args, kwargs = payload
+        for path in context.driver_sys_path:
+            if path not in sys.path and os.path.isdir(path):
+                sys.path.append(path)
+        trainer, function, args, kwargs = ray.get(payload[0])
         accelerator_module._IN_RAY_WORKER = True
         os.environ.update(context.env_vars)
         os.environ.update(

@@ -300,3 +300,21 @@ def test_unpicklable_module_names_the_attribute():
     with pytest.raises(TypeError, match=r"UnpicklableModel\.lock.*cannot be pickled"):
         trainer.fit(UnpicklableModel())
     assert not alive_worker_actors()
+
+
+class CountsPickling:
+    """Counts, in the driver process, how often it is pickled."""
+
+    count = 0
+
+    def __getstate__(self):
+        type(self).count += 1
+        return {}
+
+
+def test_trainer_and_module_are_serialized_once_for_all_workers():
+    model = BoringModel()
+    model.probe = CountsPickling()
+    CountsPickling.count = 0
+    _trainer(max_epochs=1, strategy=RayStrategy(num_workers=3)).fit(model)
+    assert CountsPickling.count == 1
