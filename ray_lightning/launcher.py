@@ -85,6 +85,11 @@ class RayLauncher(_Launcher):
         request = strategy.resources
         ensure_ray_initialized()
         check_cluster_can_hold(request, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+        if trainer is not None:
+            for logger in trainer.loggers:
+                # Fix the version (e.g. lightning_logs/version_3) here, so rank 0 writes where
+                # `trainer.logger.log_dir` points on the driver afterwards.
+                _ = logger.version
         payload = _put_payload(trainer, function, args, kwargs)
 
         group = _WorkerGroup.start(request, strategy.placement_timeout_s)

@@ -318,3 +318,21 @@ def test_trainer_and_module_are_serialized_once_for_all_workers():
     CountsPickling.count = 0
     _trainer(max_epochs=1, strategy=RayStrategy(num_workers=3)).fit(model)
     assert CountsPickling.count == 1
+
+
+def test_logger_output_is_where_the_drivers_logger_points(tmp_path):
+    from pytorch_lightning.loggers import CSVLogger
+
+    (tmp_path / "logs" / "lightning_logs" / "version_0").mkdir(parents=True)  # an earlier run
+    trainer = pl.Trainer(
+        max_epochs=2,
+        strategy=RayStrategy(num_workers=2),
+        logger=CSVLogger(tmp_path / "logs"),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+    )
+    trainer.fit(BoringModel())
+    assert trainer.logger.version == 1
+    metrics = (tmp_path / "logs" / "lightning_logs" / "version_1" / "metrics.csv").read_text()
+    assert "val_loss" in metrics and "train_loss" in metrics
+    assert os.path.dirname(trainer.checkpoint_callback.best_model_path).startswith(trainer.logger.log_dir)

@@ -1,0 +1,62 @@
+"""GPU training for real, where this machine has GPUs; skipped (saying why) where it has none.
+
+The device logic these tests rely on (CUDA_VISIBLE_DEVICES, device index, backend) is also tested
+without a GPU in test_environment.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from ray_lightning import RayStrategy
+from tests.models import BoringModel, Recorder, read_records
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [
+    pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU on this machine; GPU paths are unit-tested in test_environment.py"),
+    pytest.mark.usefixtures("ray_gpu"),
+]
+
+
+@pytest.fixture
+def ray_gpu():
+    import ray
+
+    if not ray.is_initialized() or ray.cluster_resources().get("GPU", 0) < GPUS:
+        ray.shutdown()
+        ray.init(num_cpus=8, num_gpus=GPUS)
+    yield ray
+
+
+def _fit(tmp_path, strategy) -> list[dict]:
+    model = BoringModel()
+    before = model.layer.weight.clone()
+    trainer = pl.Trainer(max_epochs=1, strategy=strategy, callbacks=[Recorder(tmp_path)], logger=False,
+                         enable_progress_bar=False)
+    trainer.fit(model)
+    assert not torch.equal(before, model.layer.weight)
+    assert model.layer.weight.device.type == "cpu", "weights on the driver should not need a GPU"
+    return read_records(tmp_path, "fit", "start")
+
+
+def test_one_gpu_worker_trains_on_cuda_with_nccl(tmp_path):
+    (start,) = _fit(tmp_path, RayStrategy(num_workers=1, use_gpu=True))
+    assert start["device"] == "cuda:0"
+    assert start["backend"] == "nccl"
+    assert start["resources"]["GPU"] == 1.0
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+def test_two_gpu_workers_use_their_own_device(tmp_path):
+    starts = _fit(tmp_path, RayStrategy(num_workers=2, use_gpu=True))
+    assert sorted(s["device"] for s in starts) == ["cuda:0", "cuda:1"]
+    assert {s["backend"] for s in starts} == {"nccl"}
+
+
+@pytest.mark.skipif(GPUS != 1, reason="with several GPUs Ray may place the two halves on different devices")
+def test_two_workers_sharing_one_gpu_use_gloo(tmp_path):
+    starts = _fit(tmp_path, RayStrategy(num_workers=2, resources_per_worker={"GPU": 0.5}))
+    assert {s["device"] for s in starts} == {"cuda:0"}
+    assert {s["backend"] for s in starts} == {"gloo"}
