@@ -11,6 +11,7 @@ Example::
     trainer.fit(model)
 """
 
+from ray_lightning import accelerator_hook
 from ray_lightning.accelerator import RayAccelerator
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.launcher import RayWorkerError
@@ -18,6 +19,8 @@ from ray_lightning.resources import ClusterResourceError
 from ray_lightning.strategy import RayStrategy
 
 __version__ = "0.4.0"
+
+accelerator_hook.install()
 
 __all__ = [
     "ClusterResourceError",

@@ -1,18 +1,23 @@
 """The one place where ray_lightning touches Lightning internals.
 
 Lightning 2.x accepts an ``Accelerator`` for ``Trainer(accelerator=...)`` and then chooses the
-strategy itself; there is no public hook for an accelerator to bring its own strategy. To keep the
-classic ``Trainer(accelerator=RayAccelerator(...))`` form working, this module wraps two methods of
-Lightning's private ``_AcceleratorConnector``:
+strategy itself; there is no public hook for an accelerator to bring its own strategy, nor for a
+strategy to keep Lightning from judging devices by the driver's hardware (the driver of a GPU
+cluster often has no GPU, and Lightning refuses DDP strategies on Apple-silicon laptops). This
+module wraps three methods of Lightning's private ``_AcceleratorConnector``:
 
-* ``_choose_strategy`` (called when ``strategy="auto"``): returns the accelerator's RayStrategy.
+* ``_check_config_and_set_final_flags``: with ``strategy=RayStrategy(...)`` (or ``"ray"``), the
+  strategy's own RayAccelerator replaces ``accelerator=`` (``"auto"``, ``"cpu"``, ``"gpu"``...):
+  the GPUs reserved for the workers decide the device, not the driver's hardware.
+* ``_choose_strategy`` (called when ``strategy="auto"``): returns a RayAccelerator's RayStrategy.
 * ``_init_strategy``: refuses a RayAccelerator combined with any other strategy (``"ddp"`` would
   re-launch ``sys.argv`` instead of using Ray).
 
-If a Lightning release renames or removes these, :func:`ensure_installed` raises when a
-RayAccelerator is created, and :meth:`RayAccelerator.setup_device` raises if training ever starts
-outside a Ray worker, so a change can never silently train single-process.
-``tests/test_accelerator_hook.py`` fails when either wrapped method disappears.
+The wrappers are installed when ``ray_lightning`` is imported. If a Lightning release renames or
+removes these methods, creating a RayAccelerator raises, RayStrategy still works (its accelerator
+setter takes over the device choice), and ``RayAccelerator.setup_device`` raises if training
+ever starts outside a Ray worker, so a change can never silently train single-process.
+``tests/test_accelerator_hook.py`` fails when any wrapped method disappears.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any, Optional
 
 import pytorch_lightning as pl
 
-_WRAPPED = ("_choose_strategy", "_init_strategy")
+_WRAPPED = ("_check_config_and_set_final_flags", "_choose_strategy", "_init_strategy")
 _install_error: Optional[str] = None
 _installed = False
 
@@ -44,8 +49,18 @@ def _install() -> None:
         )
         return
 
+    original_check = connector._check_config_and_set_final_flags
     original_choose = connector._choose_strategy
     original_init = connector._init_strategy
+
+    def _check_config_and_set_final_flags(self: Any, strategy: Any, accelerator: Any, *args: Any, **kwargs: Any) -> None:
+        from ray_lightning.strategy import RayStrategy
+
+        if isinstance(strategy, str) and strategy.lower() == RayStrategy.strategy_name:
+            strategy = RayStrategy()
+        if isinstance(strategy, RayStrategy):
+            accelerator = strategy._prepare_for_trainer(accelerator)
+        original_check(self, strategy, accelerator, *args, **kwargs)
 
     def _choose_strategy(self: Any) -> Any:
         from ray_lightning.accelerator import RayAccelerator
@@ -69,18 +84,25 @@ def _install() -> None:
                 "Drop the strategy argument, or pass strategy=RayStrategy(...) without the RayAccelerator."
             )
 
+    _check_config_and_set_final_flags.__wrapped__ = original_check  # type: ignore[attr-defined]
     _choose_strategy.__wrapped__ = original_choose  # type: ignore[attr-defined]
     _init_strategy.__wrapped__ = original_init  # type: ignore[attr-defined]
+    connector._check_config_and_set_final_flags = _check_config_and_set_final_flags
     connector._choose_strategy = _choose_strategy
     connector._init_strategy = _init_strategy
     _installed = True
 
 
-def ensure_installed() -> None:
-    """Install the wrappers once; raise if this Lightning version no longer has what they wrap."""
+def install() -> bool:
+    """Install the wrappers once; False if this Lightning version no longer has what they wrap."""
     if not _installed and _install_error is None:
         _install()
-    if _install_error is not None:
+    return _installed
+
+
+def ensure_installed() -> None:
+    """Install the wrappers once; raise if this Lightning version no longer has what they wrap."""
+    if not install():
         raise RuntimeError(_install_error)
 
 

@@ -25,6 +25,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import ray
+import torch
 from pytorch_lightning.strategies.launchers.launcher import _Launcher
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
@@ -51,6 +52,8 @@ log = logging.getLogger(__name__)
 
 # Environment variables of the driver that Lightning reads in the workers (seed, deterministic flags).
 _FORWARDED_ENV_PREFIXES = ("PL_", "CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED")
+# How long to look for a dead worker behind another worker's exception.
+_DEATH_GRACE_S = 2.0
 
 
 class RayWorkerError(RuntimeError):
@@ -96,7 +99,7 @@ class RayLauncher(_Launcher):
         self._group = group
         try:
             infos = group.node_infos(strategy.worker_start_timeout_s)
-            outputs = group.run(payload, self._contexts(infos), strategy.init_hook, strategy.worker_start_timeout_s)
+            outputs = group.run(payload, self._contexts(infos))
         finally:
             self._group = None
             group.shutdown()
@@ -108,9 +111,11 @@ class RayLauncher(_Launcher):
         self.transferred_files = sorted(rank_zero.files)
         if self.transferred_files:
             log.info("ray_lightning: copied %s from rank 0's node to this machine", ", ".join(self.transferred_files))
-        if trainer.state.fn == TrainerFn.PREDICTING and rank_zero.results is not None:
+        if trainer.state.fn == TrainerFn.PREDICTING:
+            if not rank_zero.return_predictions:
+                return None
             per_rank = [o.predictions or [] for o in outputs if o is not None]
-            return merge_predictions(per_rank, len(trainer.num_predict_batches) or 1)
+            return merge_predictions(per_rank, rank_zero.num_predict_dataloaders)
         return rank_zero.results
 
     def _contexts(self, infos: list[NodeInfo]) -> list[WorkerContext]:
@@ -123,6 +128,12 @@ class RayLauncher(_Launcher):
         port = self._group_or_fail().open_rendezvous(self._strategy.worker_start_timeout_s)
         driver_node = ray.get_runtime_context().get_node_id()
         env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
+        # Trainer(deterministic=..., benchmark=...) set these in this process only.
+        torch_flags = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.backends.cudnn.benchmark,
+        )
         num_nodes = len(set(node_ids))
         placed = ", ".join(
             f"rank {r.global_rank} on {i.node_ip} (pid {i.pid}, GPUs {','.join(i.gpu_ids) or 'none'})"
@@ -142,6 +153,7 @@ class RayLauncher(_Launcher):
                 send_files=rank.global_rank == 0 and info.node_id != driver_node,
                 env_vars=env,
                 driver_sys_path=tuple(p for p in sys.path if p),
+                torch_flags=torch_flags,
             )
             for rank, info, (visible, index) in zip(ranks, infos, devices)
         ]
@@ -248,14 +260,15 @@ class _WorkerGroup:
             remove_placement_group(pg)
             raise
         remote = ray.remote(RayWorker)
-        actors = [
-            remote.options(
-                **request.actor_options(),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            ).remote()
-            for i in range(request.num_workers)
-        ]
-        return cls(pg, actors)
+        group = cls(pg, [])
+        try:
+            for i in range(request.num_workers):
+                strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                group.actors.append(remote.options(**request.actor_options(), scheduling_strategy=strategy).remote())
+        except BaseException:
+            group.shutdown()
+            raise
+        return group
 
     def node_infos(self, timeout_s: float) -> list[NodeInfo]:
         self.infos = self._get([a.node_info.remote() for a in self.actors], timeout_s, "report where they run")
@@ -275,15 +288,9 @@ class _WorkerGroup:
         except RayActorError as error:
             raise RayWorkerError(f"A ray_lightning worker died while starting: {error}", rank=-1) from error
 
-    def run(
-        self,
-        payload: ray.ObjectRef,
-        contexts: list[WorkerContext],
-        init_hook: Optional[Callable[[], Any]],
-        timeout_s: float,
-    ) -> list[Optional[WorkerOutput]]:
+    def run(self, payload: ray.ObjectRef, contexts: list[WorkerContext]) -> list[Optional[WorkerOutput]]:
         """Run every worker; return their outputs in actor order, or raise the first failure."""
-        refs = [actor.execute.remote([payload], ctx, init_hook) for actor, ctx in zip(self.actors, contexts)]
+        refs = [actor.execute.remote([payload], ctx) for actor, ctx in zip(self.actors, contexts)]
         pending = {ref: i for i, ref in enumerate(refs)}
         outputs: list[Optional[WorkerOutput]] = [None] * len(refs)
         while pending:
@@ -293,11 +300,28 @@ class _WorkerGroup:
                 i = pending.pop(ref)
                 try:
                     outputs[i] = ray.get(ref)
-                except RayTaskError as error:
-                    raise self._failure(i, contexts[i], error, died=False) from _cause(error)
                 except RayActorError as error:
                     raise self._failure(i, contexts[i], error, died=True) from None
+                except RayTaskError as error:
+                    self._raise_death_behind(pending, contexts)
+                    raise self._failure(i, contexts[i], error, died=False) from _cause(error)
         return outputs
+
+    def _raise_death_behind(self, pending: dict[Any, int], contexts: list[WorkerContext]) -> None:
+        """When a worker dies, its peers' collectives fail at about the same moment; blame the dead one.
+
+        Waits at most ``_DEATH_GRACE_S`` for another worker's result, and raises that worker's
+        death if it died.
+        """
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=_DEATH_GRACE_S)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except RayActorError as error:
+                i = pending[ref]
+                raise self._failure(i, contexts[i], error, died=True) from None
+            except Exception:  # noqa: BLE001 - only deaths matter here
+                pass
 
     def _failure(self, i: int, context: WorkerContext, error: Exception, died: bool) -> RayWorkerError:
         info = self.infos[i] if i < len(self.infos) else None

@@ -120,6 +120,11 @@ def resolve_worker_resources(
                 gpus = value
             else:
                 custom[name] = value
+    if cpus == 0 and gpus == 0 and not any(custom.values()):
+        raise ValueError(
+            "Each worker must reserve some resource: num_cpus_per_worker=0 with no GPU or custom resource "
+            "would let Ray start any number of workers on one CPU. Ask for a CPU, a GPU or a custom resource."
+        )
     if gpus > 1 and not gpus.is_integer():
         raise ValueError(f"A worker can reserve a fraction of one GPU or whole GPUs, not {gpus:g}.")
     return WorkerResources(int(num_workers), cpus, gpus, custom)

@@ -34,13 +34,19 @@ class WorkerOutput:
     logged_metrics: dict[str, Any] = field(default_factory=dict)
     progress_bar_metrics: dict[str, Any] = field(default_factory=dict)
     fit_progress: Optional[dict[str, Any]] = None
-    callback_states: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # (state_key, state) in the workers' callback order; two callbacks may share a state_key.
+    callback_states: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     files: dict[str, bytes] = field(default_factory=dict)
     predictions: Optional[list[tuple[int, list[int], Any]]] = None
+    num_predict_dataloaders: int = 0
+    return_predictions: bool = False
 
 
 class PredictionRecorder(BasePredictionWriter):
-    """Added to each worker's Trainer while predicting: keeps every batch's prediction with its dataset indices."""
+    """Added to each worker's Trainer while predicting: keeps every batch's prediction with its dataset indices.
+
+    Nothing is kept with ``trainer.predict(..., return_predictions=False)``.
+    """
 
     def __init__(self) -> None:
         super().__init__(write_interval="batch")
@@ -56,6 +62,8 @@ class PredictionRecorder(BasePredictionWriter):
         batch_idx: int,
         dataloader_idx: int,
     ) -> None:
+        if not trainer.predict_loop.return_predictions:
+            return
         self.records.append((dataloader_idx, list(batch_indices or []), move_data_to_device(prediction, "cpu")))
 
 
@@ -79,19 +87,23 @@ def collect_worker_output(
     fitting = trainer.state.fn == TrainerFn.FITTING
     # Every rank computes the state dict: torchmetrics states may sync across ranks.
     weights = trainer.lightning_module.state_dict() if fitting else None
+    predicting = trainer.state.fn == TrainerFn.PREDICTING
     predictions = recorder.records if recorder is not None else None
     if rank != 0:
-        return WorkerOutput(global_rank=rank, predictions=predictions) if predictions is not None else None
+        return WorkerOutput(global_rank=rank, predictions=predictions) if predictions else None
 
     output = WorkerOutput(
         global_rank=rank,
         trainer_state=trainer.state,
-        results=move_data_to_device(results, "cpu"),
+        # When predicting, the driver rebuilds the results from every rank's `predictions`.
+        results=None if predicting else move_data_to_device(results, "cpu"),
         weights=move_data_to_device(weights, "cpu") if weights is not None else None,
         callback_metrics=move_data_to_device(dict(trainer.callback_metrics), "cpu"),
         logged_metrics=move_data_to_device(dict(trainer.logged_metrics), "cpu"),
         progress_bar_metrics=move_data_to_device(dict(trainer.progress_bar_metrics), "cpu"),
         predictions=predictions,
+        num_predict_dataloaders=len(trainer.num_predict_batches) if predicting else 0,
+        return_predictions=predicting and trainer.predict_loop.return_predictions,
     )
     if fitting:
         loop = trainer.fit_loop
@@ -104,7 +116,7 @@ def collect_worker_output(
     for callback in trainer.callbacks:
         state = callback.state_dict()
         if state:
-            output.callback_states[callback.state_key] = move_data_to_device(state, "cpu")
+            output.callback_states.append((callback.state_key, move_data_to_device(state, "cpu")))
     if send_files:
         for path in _checkpoint_files(trainer):
             with open(path, "rb") as f:
@@ -130,10 +142,12 @@ def apply_to_driver(trainer: "pl.Trainer", output: WorkerOutput) -> None:
         loop.epoch_loop.batch_progress.load_state_dict(progress["epoch_loop.batch_progress"])
         loop.epoch_loop.automatic_optimization.optim_progress.load_state_dict(progress["automatic_optimization"])
         loop.epoch_loop.manual_optimization.optim_step_progress.load_state_dict(progress["manual_optimization"])
+    remaining = list(output.callback_states)
     for callback in trainer.callbacks:
-        state = output.callback_states.get(callback.state_key)
-        if state is None:
+        match = next((i for i, (key, _) in enumerate(remaining) if key == callback.state_key), None)
+        if match is None:
             continue
+        state = remaining.pop(match)[1]
         if isinstance(callback, ModelCheckpoint):
             # load_state_dict only restores everything when dirpath matches; the driver never resolved one.
             callback.dirpath = state.get("dirpath", callback.dirpath)

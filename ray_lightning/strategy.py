@@ -18,7 +18,7 @@ from lightning_fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from pytorch_lightning.plugins.precision import MixedPrecision
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
-from pytorch_lightning.utilities.rank_zero import rank_zero_only
+from pytorch_lightning.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.launcher import RayLauncher
@@ -120,21 +120,40 @@ class RayStrategy(DDPStrategy):
 
     @accelerator.setter
     def accelerator(self, accelerator: Optional["pl.accelerators.Accelerator"]) -> None:
+        # Lightning assigns the accelerator it chose from the driver's hardware; the workers'
+        # reserved GPUs decide instead.
+        self._accelerator = None if accelerator is None else self._accelerator_for_trainer(accelerator)
+
+    def _prepare_for_trainer(self, requested: Any) -> "pl.accelerators.Accelerator":
+        """Called as a Trainer is built with this strategy: returns the accelerator it should use."""
+        accelerator = self._accelerator_for_trainer(requested)
+        # A strategy reused for another Trainer still holds what Lightning gave it last time, which
+        # Lightning would take as conflicting flags.
+        self._accelerator = None
+        self.parallel_devices = None
+        return accelerator
+
+    def _accelerator_for_trainer(self, requested: Any) -> "pl.accelerators.Accelerator":
+        """What the Trainer should use when this strategy is given with ``accelerator=requested``."""
         from ray_lightning.accelerator import RayAccelerator
 
-        if isinstance(accelerator, RayAccelerator):
-            owner = accelerator._strategy
-            if owner is not None and owner is not self:
+        if isinstance(requested, RayAccelerator):
+            if requested._strategy is not None and requested._strategy is not self:
                 raise ValueError(
                     "Pass either accelerator=RayAccelerator(...) or strategy=RayStrategy(...)/'ray', not both: "
                     "each describes the workers to start."
                 )
-            self._accelerator = accelerator
-        elif accelerator is None:
-            self._accelerator = None
-        else:
-            # Lightning picked CPU/CUDA from the driver's hardware; the workers' reserved GPUs decide instead.
-            self._accelerator = RayAccelerator._for_strategy(self)
+            return requested
+        name = requested if isinstance(requested, str) else type(requested).__name__
+        wants_gpu = name.lower() in ("gpu", "cuda", "cudaaccelerator")
+        wants_cpu = name.lower() in ("cpu", "cpuaccelerator")
+        if (wants_gpu and not self.use_gpu) or (wants_cpu and self.use_gpu):
+            rank_zero_warn(
+                f"Trainer(accelerator={requested!r}) is ignored: RayStrategy trains on "
+                f"{'CUDA' if self.use_gpu else 'CPU'} because the workers reserve "
+                f"{self.resources.gpus:g} GPU each (use_gpu / resources_per_worker decide)."
+            )
+        return RayAccelerator._for_strategy(self)
 
     @property
     def cluster_environment(self) -> RayEnvironment:
@@ -164,8 +183,12 @@ class RayStrategy(DDPStrategy):
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
-        # Ray decides how many nodes the workers span; Trainer(num_nodes=...) has no effect.
-        pass
+        # Ray decides how many nodes the workers span.
+        if num_nodes != 1:
+            rank_zero_warn(
+                f"Trainer(num_nodes={num_nodes}) is ignored: RayStrategy places num_workers={self.num_workers} "
+                "workers wherever the Ray cluster has room."
+            )
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -182,9 +205,11 @@ class RayStrategy(DDPStrategy):
         self._rendezvous_store = rendezvous_store
         self.cluster_environment.configure(context.rank, context.world_size, context.main_address, context.main_port)
         self.parallel_devices = [self.root_device] * context.rank.local_world_size
-        if isinstance(self.precision_plugin, MixedPrecision):
-            # Lightning chose the autocast device from the driver's accelerator, not the worker's.
-            self.precision_plugin.device = self.root_device.type
+        plugin = self.precision_plugin
+        if type(plugin) is MixedPrecision and plugin.device != self.root_device.type:
+            # Lightning built it for the driver's device; a GradScaler made where CUDA is absent is
+            # disabled for good, so build it anew for the device this worker trains on.
+            self.precision_plugin = MixedPrecision(plugin.precision, self.root_device.type)
 
     @property
     def root_device_index(self) -> Optional[int]:

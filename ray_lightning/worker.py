@@ -13,7 +13,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import ray
 
@@ -35,6 +35,8 @@ class WorkerContext:
     send_files: bool
     env_vars: dict[str, str]
     driver_sys_path: tuple[str, ...] = ()
+    # (deterministic algorithms, warn only, cudnn.benchmark) as Trainer(...) set them on the driver.
+    torch_flags: tuple[bool, bool, bool] = (False, False, False)
 
 
 @dataclass(frozen=True)
@@ -74,47 +76,56 @@ class RayWorker:
         )
         return self._store.port
 
-    def execute(
-        self, payload: list[ray.ObjectRef], context: WorkerContext, init_hook: Optional[Callable[[], Any]]
-    ) -> Any:
+    def execute(self, payload: list[ray.ObjectRef], context: WorkerContext) -> Any:
         """Run the Trainer function (``trainer._fit_impl`` etc.) with this worker's rank.
 
-        ``payload`` is ``[ref]`` rather than ``ref`` so that Ray does not unpickle it before the
-        driver's import paths are in place: the module may come from a directory only the driver
-        had on ``sys.path``.
+        ``payload`` is ``[ref]`` rather than ``ref`` so that Ray does not unpickle it on arrival:
+        the device environment must be set before anything could initialise CUDA, and the module
+        may come from a directory only the driver had on ``sys.path``.
         """
         from pytorch_lightning.trainer.states import TrainerFn
 
         from ray_lightning import accelerator as accelerator_module
         from ray_lightning.results import PredictionRecorder, collect_worker_output
 
+        _set_environment(context)
         for path in context.driver_sys_path:
             if path not in sys.path and os.path.isdir(path):
                 sys.path.append(path)
         trainer, function, args, kwargs = ray.get(payload[0])
         accelerator_module._IN_RAY_WORKER = True
-        os.environ.update(context.env_vars)
-        os.environ.update(
-            {
-                "LOCAL_RANK": str(context.rank.local_rank),
-                "RANK": str(context.rank.global_rank),
-                "NODE_RANK": str(context.rank.node_rank),
-                "WORLD_SIZE": str(context.world_size),
-                "LOCAL_WORLD_SIZE": str(context.rank.local_world_size),
-                "MASTER_ADDR": context.main_address,
-                "MASTER_PORT": str(context.main_port),
-            }
-        )
-        if context.device_index is not None:
-            # Must happen before CUDA is initialised in this process.
-            os.environ["CUDA_VISIBLE_DEVICES"] = context.cuda_visible_devices
-        if init_hook is not None:
-            init_hook()
 
-        trainer.strategy._attach_worker(context, self._store)
+        strategy = trainer.strategy
+        strategy._attach_worker(context, self._store)
+        if strategy.init_hook is not None:
+            strategy.init_hook()
         recorder = None
         if trainer.state.fn == TrainerFn.PREDICTING:
             recorder = PredictionRecorder()
             trainer.callbacks.append(recorder)
         results = function(*args, **kwargs)
         return collect_worker_output(trainer, results, recorder, context.send_files)
+
+
+def _set_environment(context: WorkerContext) -> None:
+    import torch
+
+    os.environ.update(context.env_vars)
+    os.environ.update(
+        {
+            "LOCAL_RANK": str(context.rank.local_rank),
+            "RANK": str(context.rank.global_rank),
+            "NODE_RANK": str(context.rank.node_rank),
+            "WORLD_SIZE": str(context.world_size),
+            "LOCAL_WORLD_SIZE": str(context.rank.local_world_size),
+            "MASTER_ADDR": context.main_address,
+            "MASTER_PORT": str(context.main_port),
+            # The device follows the GPUs Ray reserved: none means none visible.
+            "CUDA_VISIBLE_DEVICES": context.cuda_visible_devices,
+        }
+    )
+    # Ray numbers GPUs in PCI bus order; make CUDA's ordinals agree.
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    deterministic, warn_only, benchmark = context.torch_flags
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.backends.cudnn.benchmark = benchmark

@@ -180,6 +180,10 @@ class Recorder(pl.Callback):
                 "progress_bar_enabled": bool(trainer.progress_bar_callback and trainer.progress_bar_callback.is_enabled),
                 "device": str(pl_module.device),
                 "backend": __import__("torch").distributed.get_backend(),
+                "precision_device": getattr(trainer.precision_plugin, "device", None),
+                "precision": type(trainer.precision_plugin).__name__,
+                "deterministic": __import__("torch").are_deterministic_algorithms_enabled(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             },
         )
 

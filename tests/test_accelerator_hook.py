@@ -39,9 +39,20 @@ def test_names_resolve_after_import():
 
 
 def test_strategy_form_ignores_the_drivers_device_choice():
-    trainer = pl.Trainer(strategy=RayStrategy(num_workers=2), accelerator="cpu", logger=False)
+    strategy = RayStrategy(num_workers=2)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", logger=False)
     assert isinstance(trainer.accelerator, RayAccelerator)
     assert trainer.strategy.accelerator._strategy is trainer.strategy
+    # This driver has no GPU; the workers' reservation decides, with a warning about the ignored flag.
+    with pytest.warns(UserWarning, match=r"accelerator='gpu'\) is ignored: RayStrategy trains on CPU"):
+        trainer = pl.Trainer(strategy=strategy, accelerator="gpu", logger=False)
+    assert isinstance(trainer.accelerator, RayAccelerator) and trainer.strategy is strategy
+
+
+def test_num_nodes_is_ignored_with_a_warning():
+    with pytest.warns(UserWarning, match=r"num_nodes=2\) is ignored"):
+        trainer = pl.Trainer(strategy=RayStrategy(num_workers=3), num_nodes=2, logger=False)
+    assert trainer.world_size == 3
 
 
 def test_accelerator_with_another_strategy_is_refused():

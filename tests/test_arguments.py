@@ -22,6 +22,7 @@ from tests.models import BoringModel
         ({"num_workers": 1.5}, TypeError, "num_workers must be an int"),
         ({"num_workers": True}, TypeError, "num_workers must be an int"),
         ({"num_cpus_per_worker": -1}, ValueError, "num_cpus_per_worker must be >= 0"),
+        ({"num_cpus_per_worker": 0}, ValueError, "must reserve some resource"),
         ({"num_cpus_per_worker": "one"}, TypeError, "num_cpus_per_worker must be a non-negative number"),
         ({"use_gpu": "yes"}, TypeError, "use_gpu must be True or False"),
         ({"resources_per_worker": {"gpu": 1}}, ValueError, "Ray calls this resource 'GPU'"),

@@ -102,6 +102,24 @@ def test_predict_returns_every_rank_in_dataset_order(size):
     torch.testing.assert_close(torch.cat([batch["pred"] for batch in predictions]), expected)
 
 
+class TwoPredictLoaders(BoringModel):
+    def predict_dataloader(self):
+        return [
+            DataLoader(IndexedDataset(24, 8, seed=3), batch_size=8),
+            DataLoader(IndexedDataset(40, 8, seed=4), batch_size=5),
+        ]
+
+
+def test_predict_with_two_dataloaders_and_without_returning():
+    model = TwoPredictLoaders()
+    trainer = _trainer(strategy=RayStrategy(num_workers=2))
+    first, second = trainer.predict(model)
+    assert torch.cat([b["index"] for b in first]).tolist() == list(range(24))
+    assert torch.cat([b["index"] for b in second]).tolist() == list(range(40))
+    assert {len(b["index"]) for b in second} == {5}
+    assert trainer.predict(model, return_predictions=False) is None
+
+
 def test_validate_and_test_return_metrics_of_all_ranks():
     model = BoringModel()
     trainer = _trainer(strategy=RayStrategy(num_workers=2))
@@ -211,6 +229,26 @@ def test_actor_resources_follow_the_request(tmp_path):
     assert [s["resources"] for s in starts] == [{"CPU": 2.0, "custom_accel": 1.0}] * 2
 
 
+def test_precision_and_determinism_settings_reach_the_workers(tmp_path):
+    trainer = _trainer(
+        max_epochs=1,
+        strategy=RayStrategy(num_workers=2),
+        precision="bf16-mixed",
+        deterministic=True,
+        callbacks=[Recorder(tmp_path)],
+    )
+    try:
+        model = BoringModel()
+        before = model.layer.weight.clone()
+        trainer.fit(model)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    starts = read_records(tmp_path, "fit", "start")
+    assert {(s["precision"], s["precision_device"]) for s in starts} == {("MixedPrecision", "cpu")}
+    assert {s["deterministic"] for s in starts} == {True}
+    assert not torch.equal(before, model.layer.weight)
+
+
 def test_gpu_zero_in_resources_wins_over_use_gpu(tmp_path):
     # The cluster has no GPU: training can only start because resources_per_worker's GPU: 0 wins.
     strategy = RayStrategy(num_workers=2, use_gpu=True, resources_per_worker={"GPU": 0})
@@ -219,6 +257,7 @@ def test_gpu_zero_in_resources_wins_over_use_gpu(tmp_path):
     assert {s["device"] for s in starts} == {"cpu"}
     assert {s["backend"] for s in starts} == {"gloo"}
     assert all("GPU" not in s["resources"] for s in starts)
+    assert {s["cuda_visible_devices"] for s in starts} == {""}
 
 
 def test_ranks_hook_and_progress_bar_on_one_node(tmp_path):
