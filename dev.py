@@ -36,9 +36,10 @@ def _pip(*args: str) -> None:
 
 
 def _has_cuda() -> bool:
-    return shutil.which("nvidia-smi") is not None and subprocess.run(
-        ["nvidia-smi", "-L"], capture_output=True
-    ).returncode == 0
+    return (
+        shutil.which("nvidia-smi") is not None
+        and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+    )
 
 
 def _install_torch() -> None:
@@ -49,8 +50,13 @@ def _install_torch() -> None:
     try:
         _pip(f"torch=={TORCH_VERSION}+cpu")
     except subprocess.CalledProcessError:
-        _pip(f"torch=={TORCH_VERSION}", "--index-url", "https://download.pytorch.org/whl/cpu",
-             "--extra-index-url", "https://pypi.org/simple")
+        _pip(
+            f"torch=={TORCH_VERSION}",
+            "--index-url",
+            "https://download.pytorch.org/whl/cpu",
+            "--extra-index-url",
+            "https://pypi.org/simple",
+        )
 
 
 def ensure_venv() -> None:
@@ -61,8 +67,10 @@ def ensure_venv() -> None:
     if not PYTHON.exists():
         print(f"Creating {VENV}", flush=True)
         venv.create(VENV, with_pip=True)
-    probe = subprocess.run([str(PYTHON), "-c", f"import torch; assert torch.__version__.startswith('{TORCH_VERSION}')"],
-                           capture_output=True)
+    probe = subprocess.run(
+        [str(PYTHON), "-c", f"import torch; assert torch.__version__.startswith('{TORCH_VERSION}')"],
+        capture_output=True,
+    )
     if probe.returncode != 0:
         _install_torch()
     _pip("-e", ".[test]")

@@ -15,7 +15,16 @@ setup(
         "ray[default,tune]>=2.60,<2.61",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "scikit-learn", "tensorboard", "ipykernel", "nbclient", "nbformat"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout",
+            "scikit-learn",
+            "tensorboard",
+            "ipykernel",
+            "nbclient",
+            "nbformat",
+            "ruff",
+        ],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -75,16 +75,20 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--max-epochs", type=int, default=5)
     parser.add_argument("--use-gpu", action="store_true")
-    parser.add_argument("--accelerator-form", action="store_true",
-                        help="use Trainer(accelerator=RayAccelerator(...)) instead of strategy=RayStrategy(...)")
+    parser.add_argument(
+        "--accelerator-form",
+        action="store_true",
+        help="use Trainer(accelerator=RayAccelerator(...)) instead of strategy=RayStrategy(...)",
+    )
     args = parser.parse_args()
 
     pl.seed_everything(0)
     model = DigitsClassifier()
     checkpoint = ModelCheckpoint(monitor="val_acc", mode="max")
     if args.accelerator_form:
-        ray_kwargs = dict(accelerator=RayAccelerator(num_workers=args.num_workers, cpus_per_worker=1,
-                                                     use_gpu=args.use_gpu))
+        ray_kwargs = dict(
+            accelerator=RayAccelerator(num_workers=args.num_workers, cpus_per_worker=1, use_gpu=args.use_gpu)
+        )
     else:
         ray_kwargs = dict(strategy=RayStrategy(num_workers=args.num_workers, use_gpu=args.use_gpu))
     trainer = pl.Trainer(max_epochs=args.max_epochs, callbacks=[checkpoint], **ray_kwargs)

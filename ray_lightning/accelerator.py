@@ -11,7 +11,7 @@ It serves two purposes:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pytorch_lightning.accelerators import Accelerator, AcceleratorRegistry, CPUAccelerator, CUDAAccelerator
@@ -56,11 +56,11 @@ class RayAccelerator(Accelerator):
         self._strategy_kwargs = dict(
             num_workers=num_workers, num_cpus_per_worker=cpus_per_worker, use_gpu=use_gpu, **strategy_kwargs
         )
-        self._strategy: Optional[RayStrategy] = None
+        self._strategy: RayStrategy | None = None
         # Validate now so bad arguments fail in Trainer(...), not in fit().
         self.make_strategy()
 
-    def make_strategy(self) -> "RayStrategy":
+    def make_strategy(self) -> RayStrategy:
         """The strategy this accelerator stands for (built once)."""
         if self._strategy is None:
             from ray_lightning.strategy import RayStrategy
@@ -70,7 +70,7 @@ class RayAccelerator(Accelerator):
         return self._strategy
 
     @classmethod
-    def _for_strategy(cls, strategy: "RayStrategy") -> "RayAccelerator":
+    def _for_strategy(cls, strategy: RayStrategy) -> RayAccelerator:
         """The accelerator a RayStrategy uses when the user did not pass a RayAccelerator."""
         accelerator = cls.__new__(cls)
         Accelerator.__init__(accelerator)
@@ -81,7 +81,7 @@ class RayAccelerator(Accelerator):
     # -- inside a worker: behave like Lightning's accelerator for the device the worker got --------
 
     @staticmethod
-    def _delegate(device: Union[torch.device, str, None]) -> Accelerator:
+    def _delegate(device: torch.device | str | None) -> Accelerator:
         device = torch.device(device) if device is not None else torch.device("cpu")
         return CUDAAccelerator() if device.type == "cuda" else CPUAccelerator()
 
@@ -91,7 +91,7 @@ class RayAccelerator(Accelerator):
         if device.type == "cuda":
             CUDAAccelerator().setup_device(device)
 
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         if trainer.strategy.root_device.type == "cuda":
             CUDAAccelerator().setup(trainer)
 
@@ -99,7 +99,7 @@ class RayAccelerator(Accelerator):
         if _IN_RAY_WORKER and torch.cuda.is_initialized():
             CUDAAccelerator().teardown()
 
-    def get_device_stats(self, device: Union[str, torch.device]) -> dict[str, Any]:
+    def get_device_stats(self, device: str | torch.device) -> dict[str, Any]:
         return self._delegate(device).get_device_stats(device)
 
     # -- on the driver: Lightning asks these while building the Trainer ----------------------------

@@ -22,12 +22,12 @@ ever starts outside a Ray worker, so a change can never silently train single-pr
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import pytorch_lightning as pl
 
 _WRAPPED = ("_check_config_and_set_final_flags", "_choose_strategy", "_init_strategy")
-_install_error: Optional[str] = None
+_install_error: str | None = None
 _installed = False
 
 
@@ -53,7 +53,9 @@ def _install() -> None:
     original_choose = connector._choose_strategy
     original_init = connector._init_strategy
 
-    def _check_config_and_set_final_flags(self: Any, strategy: Any, accelerator: Any, *args: Any, **kwargs: Any) -> None:
+    def _check_config_and_set_final_flags(
+        self: Any, strategy: Any, accelerator: Any, *args: Any, **kwargs: Any
+    ) -> None:
         from ray_lightning.strategy import RayStrategy
 
         if isinstance(strategy, str) and strategy.lower() == RayStrategy.strategy_name:
@@ -80,7 +82,8 @@ def _install() -> None:
             flag = self._strategy_flag
             shown = repr(flag) if isinstance(flag, str) else f"{type(flag).__name__}(...)"
             raise ValueError(
-                f"Trainer(accelerator=RayAccelerator(...)) cannot be combined with strategy={shown}: the RayAccelerator brings its own RayStrategy. "
+                f"Trainer(accelerator=RayAccelerator(...)) cannot be combined with strategy={shown}: "
+                "the RayAccelerator brings its own RayStrategy. "
                 "Drop the strategy argument, or pass strategy=RayStrategy(...) without the RayAccelerator."
             )
 

@@ -8,8 +8,8 @@ The launcher asks every actor which node it landed on and which GPUs Ray gave it
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from lightning_fabric.plugins.environments import ClusterEnvironment
 
@@ -34,7 +34,7 @@ def assign_ranks(node_ids: Sequence[str]) -> list[WorkerRank]:
         if node not in nodes:
             nodes.append(node)
     order = sorted(range(len(node_ids)), key=lambda i: (nodes.index(node_ids[i]), i))
-    ranks: list[Optional[WorkerRank]] = [None] * len(node_ids)
+    ranks: list[WorkerRank | None] = [None] * len(node_ids)
     local_seen: dict[str, int] = {}
     for global_rank, actor in enumerate(order):
         node = node_ids[actor]
@@ -44,9 +44,7 @@ def assign_ranks(node_ids: Sequence[str]) -> list[WorkerRank]:
     return [r for r in ranks if r is not None]
 
 
-def assign_cuda_devices(
-    node_ids: Sequence[str], gpu_ids: Sequence[Sequence[str]]
-) -> list[tuple[str, Optional[int]]]:
+def assign_cuda_devices(node_ids: Sequence[str], gpu_ids: Sequence[Sequence[str]]) -> list[tuple[str, int | None]]:
     """``(CUDA_VISIBLE_DEVICES, device index)`` for each actor.
 
     Every worker sees all GPUs reserved by the workers on its node (NCCL needs to see its peers'
@@ -59,7 +57,7 @@ def assign_cuda_devices(
         per_node.setdefault(node, [])
         per_node[node].extend(str(i) for i in ids)
     visible = {node: sorted(set(ids), key=_gpu_sort_key) for node, ids in per_node.items()}
-    result: list[tuple[str, Optional[int]]] = []
+    result: list[tuple[str, int | None]] = []
     for node, ids in zip(node_ids, gpu_ids):
         if not ids:
             result.append(("", None))

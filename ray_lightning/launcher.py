@@ -22,7 +22,8 @@ import contextlib
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -73,9 +74,9 @@ def ensure_ray_initialized() -> None:
 class RayLauncher(_Launcher):
     """Runs a Trainer function on Ray actors; see the module docstring for the steps."""
 
-    def __init__(self, strategy: "RayStrategy") -> None:
+    def __init__(self, strategy: RayStrategy) -> None:
         self._strategy = strategy
-        self._group: Optional[_WorkerGroup] = None
+        self._group: _WorkerGroup | None = None
         # Checkpoint files the last launch copied from rank 0's node onto the driver's machine.
         self.transferred_files: list[str] = []
 
@@ -83,7 +84,7 @@ class RayLauncher(_Launcher):
     def is_interactive_compatible(self) -> bool:
         return True
 
-    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         strategy = self._strategy
         request = strategy.resources
         ensure_ray_initialized()
@@ -158,7 +159,7 @@ class RayLauncher(_Launcher):
             for rank, info, (visible, index) in zip(ranks, infos, devices)
         ]
 
-    def _group_or_fail(self) -> "_WorkerGroup":
+    def _group_or_fail(self) -> _WorkerGroup:
         assert self._group is not None, "no worker group is running"
         return self._group
 
@@ -173,7 +174,7 @@ class RayLauncher(_Launcher):
         return state
 
 
-def _put_payload(trainer: Optional["pl.Trainer"], function: Callable, args: tuple, kwargs: dict) -> ray.ObjectRef:
+def _put_payload(trainer: pl.Trainer | None, function: Callable, args: tuple, kwargs: dict) -> ray.ObjectRef:
     """Serialize the Trainer, module and arguments once; every worker reads the same object."""
     try:
         return ray.put((trainer, function, args, kwargs))
@@ -186,7 +187,7 @@ def _put_payload(trainer: Optional["pl.Trainer"], function: Callable, args: tupl
         ) from error
 
 
-def _find_unserializable(trainer: Optional["pl.Trainer"], args: tuple, kwargs: dict) -> Optional[str]:
+def _find_unserializable(trainer: pl.Trainer | None, args: tuple, kwargs: dict) -> str | None:
     candidates: list[tuple[str, Any]] = []
     if trainer is not None and trainer.lightning_module is not None:
         candidates.append((type(trainer.lightning_module).__name__, trainer.lightning_module))
@@ -205,7 +206,7 @@ def _find_unserializable(trainer: Optional["pl.Trainer"], args: tuple, kwargs: d
 _MODULE_CONTAINERS = ("_modules", "_parameters", "_buffers")
 
 
-def _deepest_unpicklable(obj: Any, path: str, depth: int) -> Optional[str]:
+def _deepest_unpicklable(obj: Any, path: str, depth: int) -> str | None:
     """The most specific attribute path under ``obj`` that cloudpickle refuses, or None."""
     from ray import cloudpickle
 
@@ -242,7 +243,7 @@ class _WorkerGroup:
         self.infos: list[NodeInfo] = []
 
     @classmethod
-    def start(cls, request: WorkerResources, timeout_s: float) -> "_WorkerGroup":
+    def start(cls, request: WorkerResources, timeout_s: float) -> _WorkerGroup:
         bundles = [request.bundle() for _ in range(request.num_workers)]
         pg = placement_group(bundles, strategy="PACK")
         try:
@@ -288,11 +289,11 @@ class _WorkerGroup:
         except RayActorError as error:
             raise RayWorkerError(f"A ray_lightning worker died while starting: {error}", rank=-1) from error
 
-    def run(self, payload: ray.ObjectRef, contexts: list[WorkerContext]) -> list[Optional[WorkerOutput]]:
+    def run(self, payload: ray.ObjectRef, contexts: list[WorkerContext]) -> list[WorkerOutput | None]:
         """Run every worker; return their outputs in actor order, or raise the first failure."""
         refs = [actor.execute.remote([payload], ctx) for actor, ctx in zip(self.actors, contexts)]
         pending = {ref: i for i, ref in enumerate(refs)}
-        outputs: list[Optional[WorkerOutput]] = [None] * len(refs)
+        outputs: list[WorkerOutput | None] = [None] * len(refs)
         while pending:
             # Blocks until some worker finishes or fails: no polling, no timeout on training itself.
             done, _ = ray.wait(list(pending), num_returns=1)
@@ -334,7 +335,10 @@ class _WorkerGroup:
             )
         else:
             trace = getattr(error, "traceback_str", None) or str(error)
-            message = f"ray_lightning worker rank {rank} ({where}) raised an exception. All workers have been stopped.\n{trace}"
+            message = (
+                f"ray_lightning worker rank {rank} ({where}) raised an exception. "
+                f"All workers have been stopped.\n{trace}"
+            )
         return RayWorkerError(message, rank=rank)
 
     def shutdown(self) -> None:
@@ -346,6 +350,6 @@ class _WorkerGroup:
         self.actors = []
 
 
-def _cause(error: RayTaskError) -> Optional[BaseException]:
+def _cause(error: RayTaskError) -> BaseException | None:
     cause = getattr(error, "cause", None)
     return cause if isinstance(cause, BaseException) else None

@@ -10,8 +10,9 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
 # Names users write for Ray's built-in resources; Ray only understands the canonical spelling.
 _CANONICAL = {
@@ -80,7 +81,7 @@ def resolve_worker_resources(
     num_workers: Any,
     num_cpus_per_worker: Any = 1,
     use_gpu: Any = False,
-    resources_per_worker: Optional[Mapping[str, Any]] = None,
+    resources_per_worker: Mapping[str, Any] | None = None,
 ) -> WorkerResources:
     """Validate the user's arguments and merge them into one :class:`WorkerResources`.
 

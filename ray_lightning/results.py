@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
@@ -27,17 +27,17 @@ class WorkerOutput:
     """Sent by a worker when its ``fit``/``validate``/``test``/``predict`` returns."""
 
     global_rank: int
-    trainer_state: Optional[TrainerState] = None
+    trainer_state: TrainerState | None = None
     results: Any = None
-    weights: Optional[dict[str, torch.Tensor]] = None
+    weights: dict[str, torch.Tensor] | None = None
     callback_metrics: dict[str, Any] = field(default_factory=dict)
     logged_metrics: dict[str, Any] = field(default_factory=dict)
     progress_bar_metrics: dict[str, Any] = field(default_factory=dict)
-    fit_progress: Optional[dict[str, Any]] = None
+    fit_progress: dict[str, Any] | None = None
     # (state_key, state) in the workers' callback order; two callbacks may share a state_key.
     callback_states: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     files: dict[str, bytes] = field(default_factory=dict)
-    predictions: Optional[list[tuple[int, list[int], Any]]] = None
+    predictions: list[tuple[int, list[int], Any]] | None = None
     num_predict_dataloaders: int = 0
     return_predictions: bool = False
 
@@ -54,10 +54,10 @@ class PredictionRecorder(BasePredictionWriter):
 
     def write_on_batch_end(
         self,
-        trainer: "pl.Trainer",
-        pl_module: "pl.LightningModule",
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
         prediction: Any,
-        batch_indices: Optional[list[int]],
+        batch_indices: list[int] | None,
         batch: Any,
         batch_idx: int,
         dataloader_idx: int,
@@ -67,21 +67,23 @@ class PredictionRecorder(BasePredictionWriter):
         self.records.append((dataloader_idx, list(batch_indices or []), move_data_to_device(prediction, "cpu")))
 
 
-def _checkpoint_files(trainer: "pl.Trainer") -> set[str]:
+def _checkpoint_files(trainer: pl.Trainer) -> set[str]:
     paths: set[str] = set()
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
             paths.update(str(p) for p in callback.best_k_models)
-            paths.update(str(p) for p in (callback.best_model_path, callback.last_model_path, callback.kth_best_model_path))
+            paths.update(
+                str(p) for p in (callback.best_model_path, callback.last_model_path, callback.kth_best_model_path)
+            )
     return {p for p in paths if p and os.path.isfile(p)}
 
 
 def collect_worker_output(
-    trainer: "pl.Trainer",
+    trainer: pl.Trainer,
     results: Any,
-    recorder: Optional[PredictionRecorder],
+    recorder: PredictionRecorder | None,
     send_files: bool,
-) -> Optional[WorkerOutput]:
+) -> WorkerOutput | None:
     """Runs in every worker after the Trainer function returned."""
     rank = trainer.global_rank
     fitting = trainer.state.fn == TrainerFn.FITTING
@@ -124,7 +126,7 @@ def collect_worker_output(
     return output
 
 
-def apply_to_driver(trainer: "pl.Trainer", output: WorkerOutput) -> None:
+def apply_to_driver(trainer: pl.Trainer, output: WorkerOutput) -> None:
     """Make the driver's Trainer and module look as if rank 0's run had happened here."""
     if output.weights is not None:
         # Non-strict like Lightning's ddp_spawn: layers may have been added in the workers' setup hooks.
@@ -183,7 +185,8 @@ def _merge_one_dataloader(batches: list[tuple[list[int], Any]]) -> list[Any]:
     if not all(indices and _batch_len(pred) == len(indices) for indices, pred in batches):
         warnings.warn(
             "ray_lightning: predictions are not tensors with a batch dimension (or batch indices are unknown); "
-            "returning them per batch, ordered by the first dataset index of each batch."
+            "returning them per batch, ordered by the first dataset index of each batch.",
+            stacklevel=2,
         )
         return [pred for _, pred in sorted(batches, key=lambda b: b[0][0] if b[0] else 0)]
     batch_size = max(len(indices) for indices, _ in batches)
@@ -195,7 +198,7 @@ def _merge_one_dataloader(batches: list[tuple[list[int], Any]]) -> list[Any]:
     return [_concat(ordered[start : start + batch_size]) for start in range(0, len(ordered), batch_size)]
 
 
-def _batch_len(pred: Any) -> Optional[int]:
+def _batch_len(pred: Any) -> int | None:
     if isinstance(pred, torch.Tensor):
         return pred.shape[0] if pred.dim() > 0 else None
     if isinstance(pred, dict) and pred:
@@ -212,7 +215,11 @@ def _take(pred: Any, pos: int) -> Any:
         return pred[pos : pos + 1]
     if isinstance(pred, dict):
         return {k: _take(v, pos) for k, v in pred.items()}
-    return type(pred)(_take(v, pos) for v in pred) if not _is_namedtuple(pred) else type(pred)(*(_take(v, pos) for v in pred))
+    return (
+        type(pred)(_take(v, pos) for v in pred)
+        if not _is_namedtuple(pred)
+        else type(pred)(*(_take(v, pos) for v in pred))
+    )
 
 
 def _concat(samples: list[Any]) -> Any:

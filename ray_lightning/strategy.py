@@ -9,8 +9,9 @@ group meets (a TCPStore opened by rank 0 on an OS-chosen port).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning_fabric.utilities.distributed import _init_dist_connection
@@ -35,7 +36,7 @@ _DEFAULT_WORKER_START_TIMEOUT_S = 300.0
 _RESERVED = ("accelerator", "parallel_devices", "cluster_environment", "start_method", "checkpoint_io")
 
 
-def _timeout(name: str, value: Optional[float], env: str, default: float) -> float:
+def _timeout(name: str, value: float | None, env: str, default: float) -> float:
     if value is None:
         value = float(os.environ.get(env, default))
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -75,11 +76,11 @@ class RayStrategy(DDPStrategy):
         num_workers: int = 1,
         num_cpus_per_worker: float = 1,
         use_gpu: bool = False,
-        resources_per_worker: Optional[Mapping[str, float]] = None,
-        init_hook: Optional[Callable[[], Any]] = None,
+        resources_per_worker: Mapping[str, float] | None = None,
+        init_hook: Callable[[], Any] | None = None,
         *,
-        placement_timeout_s: Optional[float] = None,
-        worker_start_timeout_s: Optional[float] = None,
+        placement_timeout_s: float | None = None,
+        worker_start_timeout_s: float | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         self.resources: WorkerResources = resolve_worker_resources(
@@ -92,7 +93,10 @@ class RayStrategy(DDPStrategy):
             raise TypeError(f"RayStrategy sets {', '.join(reserved)} itself; do not pass them.")
         self.init_hook = init_hook
         self.placement_timeout_s = _timeout(
-            "placement_timeout_s", placement_timeout_s, "RAY_LIGHTNING_PLACEMENT_TIMEOUT_S", _DEFAULT_PLACEMENT_TIMEOUT_S
+            "placement_timeout_s",
+            placement_timeout_s,
+            "RAY_LIGHTNING_PLACEMENT_TIMEOUT_S",
+            _DEFAULT_PLACEMENT_TIMEOUT_S,
         )
         self.worker_start_timeout_s = _timeout(
             "worker_start_timeout_s",
@@ -101,7 +105,7 @@ class RayStrategy(DDPStrategy):
             _DEFAULT_WORKER_START_TIMEOUT_S,
         )
         super().__init__(cluster_environment=RayEnvironment(self.resources.num_workers), **ddp_kwargs)
-        self._worker: Optional[WorkerContext] = None
+        self._worker: WorkerContext | None = None
         self._rendezvous_store: Any = None
 
     # -- configuration seen on the driver --------------------------------------------------------
@@ -115,16 +119,16 @@ class RayStrategy(DDPStrategy):
         return self.resources.use_gpu
 
     @property
-    def accelerator(self) -> Optional["pl.accelerators.Accelerator"]:
+    def accelerator(self) -> pl.accelerators.Accelerator | None:
         return self._accelerator
 
     @accelerator.setter
-    def accelerator(self, accelerator: Optional["pl.accelerators.Accelerator"]) -> None:
+    def accelerator(self, accelerator: pl.accelerators.Accelerator | None) -> None:
         # Lightning assigns the accelerator it chose from the driver's hardware; the workers'
         # reserved GPUs decide instead.
         self._accelerator = None if accelerator is None else self._accelerator_for_trainer(accelerator)
 
-    def _prepare_for_trainer(self, requested: Any) -> "pl.accelerators.Accelerator":
+    def _prepare_for_trainer(self, requested: Any) -> pl.accelerators.Accelerator:
         """Called as a Trainer is built with this strategy: returns the accelerator it should use."""
         accelerator = self._accelerator_for_trainer(requested)
         # A strategy reused for another Trainer still holds what Lightning gave it last time, which
@@ -133,7 +137,7 @@ class RayStrategy(DDPStrategy):
         self.parallel_devices = None
         return accelerator
 
-    def _accelerator_for_trainer(self, requested: Any) -> "pl.accelerators.Accelerator":
+    def _accelerator_for_trainer(self, requested: Any) -> pl.accelerators.Accelerator:
         """What the Trainer should use when this strategy is given with ``accelerator=requested``."""
         from ray_lightning.accelerator import RayAccelerator
 
@@ -199,7 +203,7 @@ class RayStrategy(DDPStrategy):
 
     # -- inside a worker ----------------------------------------------------------------------------
 
-    def _attach_worker(self, context: "WorkerContext", rendezvous_store: Any) -> None:
+    def _attach_worker(self, context: WorkerContext, rendezvous_store: Any) -> None:
         """Called by the worker actor before training with its rank, device and rank 0's store."""
         self._worker = context
         self._rendezvous_store = rendezvous_store
@@ -212,7 +216,7 @@ class RayStrategy(DDPStrategy):
             self.precision_plugin = MixedPrecision(plugin.precision, self.root_device.type)
 
     @property
-    def root_device_index(self) -> Optional[int]:
+    def root_device_index(self) -> int | None:
         return self._worker.device_index if self._worker is not None else None
 
     def set_world_ranks(self) -> None:

@@ -13,7 +13,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import ray
 
@@ -30,7 +30,7 @@ class WorkerContext:
     main_address: str
     main_port: int
     cuda_visible_devices: str
-    device_index: Optional[int]
+    device_index: int | None
     shares_gpu: bool
     send_files: bool
     env_vars: dict[str, str]

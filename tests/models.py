@@ -163,7 +163,6 @@ class Recorder(pl.Callback):
 
         import ray
 
-        sampler = trainer.train_dataloader.sampler if trainer.train_dataloader is not None else None
         self._write(
             trainer,
             "start",
@@ -177,7 +176,9 @@ class Recorder(pl.Callback):
                 "resources": ray.get_runtime_context().get_assigned_resources(),
                 "pid": os.getpid(),
                 "env_hook": os.environ.get("RAY_LIGHTNING_TEST_HOOK"),
-                "progress_bar_enabled": bool(trainer.progress_bar_callback and trainer.progress_bar_callback.is_enabled),
+                "progress_bar_enabled": bool(
+                    trainer.progress_bar_callback and trainer.progress_bar_callback.is_enabled
+                ),
                 "device": str(pl_module.device),
                 "backend": __import__("torch").distributed.get_backend(),
                 "precision_device": getattr(trainer.precision_plugin, "device", None),

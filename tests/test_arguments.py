@@ -104,7 +104,9 @@ def test_busy_cluster_fails_within_the_placement_timeout(ray_local):
     try:
         strategy = RayStrategy(num_workers=2, placement_timeout_s=2)
         trainer = pl.Trainer(max_epochs=1, strategy=strategy, logger=False)
-        with pytest.raises(ClusterResourceError, match=r"Could not reserve 2 worker\(s\) x \{1 CPU\} within 2 s") as info:
+        with pytest.raises(
+            ClusterResourceError, match=r"Could not reserve 2 worker\(s\) x \{1 CPU\} within 2 s"
+        ) as info:
             trainer.fit(BoringModel())
         assert "free now" in str(info.value) and "placement_timeout_s" in str(info.value)
         assert not alive_worker_actors()

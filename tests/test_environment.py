@@ -47,9 +47,9 @@ def test_multi_gpu_and_fractional_workers():
     assert assign_cuda_devices(["a"], [[]]) == [("", None)]
 
 
-def _context(device_index, shares_gpu=False, rank=WorkerRank(1, 1, 0, 2)):
+def _context(device_index, shares_gpu=False):
     return WorkerContext(
-        rank=rank,
+        rank=WorkerRank(1, 1, 0, 2),
         world_size=2,
         num_nodes=1,
         main_address="10.0.0.1",

@@ -15,7 +15,9 @@ from tests.models import BoringModel, Recorder, read_records
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [
-    pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU on this machine; GPU paths are unit-tested in test_environment.py"),
+    pytest.mark.skipif(
+        GPUS == 0, reason="no CUDA GPU on this machine; GPU paths are unit-tested in test_environment.py"
+    ),
     pytest.mark.usefixtures("ray_gpu"),
 ]
 
@@ -33,8 +35,9 @@ def ray_gpu():
 def _fit(tmp_path, strategy) -> list[dict]:
     model = BoringModel()
     before = model.layer.weight.clone()
-    trainer = pl.Trainer(max_epochs=1, strategy=strategy, callbacks=[Recorder(tmp_path)], logger=False,
-                         enable_progress_bar=False)
+    trainer = pl.Trainer(
+        max_epochs=1, strategy=strategy, callbacks=[Recorder(tmp_path)], logger=False, enable_progress_bar=False
+    )
     trainer.fit(model)
     assert not torch.equal(before, model.layer.weight)
     assert model.layer.weight.device.type == "cpu", "weights on the driver should not need a GPU"

@@ -79,8 +79,9 @@ def test_ranks_data_and_checkpoints_across_nodes(two_node_cluster, tmp_path):
 def test_placement_spreads_when_one_node_is_not_enough(two_node_cluster, tmp_path):
     # 3 workers, 2 slots per node: PACK fills one node and puts the third worker on the other.
     strategy = RayStrategy(num_workers=3, resources_per_worker={"CPU": 1, "worker_slot": 1})
-    trainer = pl.Trainer(max_epochs=1, strategy=strategy, callbacks=[Recorder(tmp_path)], logger=False,
-                         enable_progress_bar=False)
+    trainer = pl.Trainer(
+        max_epochs=1, strategy=strategy, callbacks=[Recorder(tmp_path)], logger=False, enable_progress_bar=False
+    )
     trainer.fit(BoringModel())
     starts = read_records(tmp_path, "fit", "start")
     per_node = defaultdict(list)
