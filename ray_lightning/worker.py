@@ -8,9 +8,11 @@ rank and runs the Trainer function (:meth:`RayWorker.execute`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 import ray
 
 from ray_lightning.environment import WorkerRank
+from ray_lightning.output import ProgressLines
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,25 @@ class RayWorker:
         if trainer.state.fn == TrainerFn.PREDICTING:
             recorder = PredictionRecorder()
             trainer.callbacks.append(recorder)
-        results = function(*args, **kwargs)
+        with _readable_output(context.rank.global_rank == 0):
+            results = function(*args, **kwargs)
         return collect_worker_output(trainer, results, recorder, context.send_files)
+
+
+@contextlib.contextmanager
+def _readable_output(enabled: bool) -> Iterator[None]:
+    """On rank 0, turn the progress bar's in-place redraws into lines Ray can forward."""
+    if not enabled:
+        yield
+        return
+    original = sys.stdout
+    stream = ProgressLines(original)
+    sys.stdout = stream
+    try:
+        yield
+    finally:
+        stream.close_line()
+        sys.stdout = original
 
 
 def _set_environment(context: WorkerContext) -> None:

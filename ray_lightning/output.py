@@ -1,0 +1,106 @@
+"""Rank 0's console output, made readable after Ray forwards it to the driver.
+
+Ray forwards a worker's output to the driver line by line. Lightning's tqdm bars redraw
+themselves in place with ``\\r`` and cursor moves, so an epoch of redraws would arrive as one
+endless line, or as a line per redraw. On rank 0, :class:`ProgressLines` stands in for
+``sys.stdout``: other output passes through unchanged, while progress-bar states become whole
+lines, at most one per ``interval_s`` plus each bar's finished (100%) state.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+import time
+from typing import TextIO
+
+# tqdm moves the cursor up/down to draw nested bars (validation inside an epoch).
+_CURSOR_MOVES = re.compile(r"\x1b\[[0-9]*[AB]")
+# A tqdm bar: "...|██▌   | 3/11 [" or "|          | 0/? [".
+_BAR = re.compile(r"\|[^|]*\| *\d+/(\d+|\?) \[")
+
+
+class ProgressLines(io.TextIOBase):
+    """A text stream that writes complete lines to ``target`` and throttles in-place redraws."""
+
+    def __init__(self, target: TextIO, interval_s: float = 1.0) -> None:
+        self._target = target
+        self._interval_s = interval_s
+        self._pending = ""  # the newest redraw of the current line, not yet written
+        self._last_bar = -math.inf
+        self._held: str | None = None  # the newest finished (100%) state of the last bar
+        self._held_key: str | None = None
+
+    def write(self, text: str) -> int:
+        text = _CURSOR_MOVES.sub("", text)
+        *complete, rest = text.split("\n")
+        for part in complete:
+            line = self._newest(self._pending + part)
+            self._pending = ""
+            self._offer(line, final=False)
+        self._pending = self._newest(self._pending + rest)
+        if "\r" in rest and self._offer(self._pending, final=False):
+            self._pending = ""
+        return len(text)
+
+    def _offer(self, line: str, final: bool) -> bool:
+        """Write ``line``, unless it is a bar state that comes too soon after the last one.
+
+        A finished (100%) state is held back until another line arrives, so that only its last
+        redraw (with the final metrics) is written.
+        """
+        if not line.strip():
+            return False
+        bar = _BAR.search(line)
+        if bar is None:
+            self._release_held()
+            self._emit(line)
+            return True
+        key = line[: bar.end()]
+        if "100%|" in line:
+            if self._held_key != key:
+                self._release_held()
+            self._held, self._held_key = line, key
+            return True
+        self._release_held()
+        now = time.monotonic()
+        if final or now - self._last_bar >= self._interval_s:
+            self._last_bar = now
+            self._emit(line)
+            return True
+        return False
+
+    def _release_held(self) -> None:
+        if self._held is not None:
+            self._emit(self._held)
+        self._held = self._held_key = None
+
+    @staticmethod
+    def _newest(line: str) -> str:
+        # tqdm ends a redraw with "\r" before the next one; keep the last non-empty redraw.
+        redraws = [r for r in line.split("\r") if r.strip()]
+        return redraws[-1] if redraws else ""
+
+    def _emit(self, line: str) -> None:
+        self._target.write(line.rstrip() + "\n")
+        self._target.flush()
+
+    def flush(self) -> None:
+        self._target.flush()
+
+    def close_line(self) -> None:
+        """Write what is still pending (the final state of a bar)."""
+        self._offer(self._pending, final=True)
+        self._pending = ""
+        self._release_held()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self._target.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._target, "encoding", "utf-8")
