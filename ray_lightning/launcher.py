@@ -100,7 +100,7 @@ class RayLauncher(_Launcher):
         self._group = group
         try:
             infos = group.node_infos(strategy.worker_start_timeout_s)
-            outputs = group.run(payload, self._contexts(infos))
+            outputs = group.run(payload, self._contexts(group, infos))
         finally:
             self._group = None
             group.shutdown()
@@ -119,14 +119,15 @@ class RayLauncher(_Launcher):
             return merge_predictions(per_rank, rank_zero.num_predict_dataloaders)
         return rank_zero.results
 
-    def _contexts(self, infos: list[NodeInfo]) -> list[WorkerContext]:
+    def _contexts(self, group: _WorkerGroup, infos: list[NodeInfo]) -> list[WorkerContext]:
+        """Each worker's rank, device and rendezvous, from where the actors landed."""
         node_ids = [i.node_id for i in infos]
         gpu_ids = [i.gpu_ids for i in infos]
         ranks = assign_ranks(node_ids)
         devices = assign_cuda_devices(node_ids, gpu_ids)
         shared = shares_a_gpu(node_ids, gpu_ids)
         rank_zero = infos[0]  # assign_ranks always gives actor 0 global rank 0
-        port = self._group_or_fail().open_rendezvous(self._strategy.worker_start_timeout_s)
+        port = group.open_rendezvous(self._strategy.worker_start_timeout_s)
         driver_node = ray.get_runtime_context().get_node_id()
         env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
         # Trainer(deterministic=..., benchmark=...) set these in this process only.
@@ -158,10 +159,6 @@ class RayLauncher(_Launcher):
             )
             for rank, info, (visible, index) in zip(ranks, infos, devices)
         ]
-
-    def _group_or_fail(self) -> _WorkerGroup:
-        assert self._group is not None, "no worker group is running"
-        return self._group
 
     def kill(self, signum: Any) -> None:
         if self._group is not None:

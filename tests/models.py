@@ -185,6 +185,7 @@ class Recorder(pl.Callback):
                 "precision": type(trainer.precision_plugin).__name__,
                 "deterministic": __import__("torch").are_deterministic_algorithms_enabled(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
             },
         )
 

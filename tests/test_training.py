@@ -375,3 +375,22 @@ def test_logger_output_is_where_the_drivers_logger_points(tmp_path):
     metrics = (tmp_path / "logs" / "lightning_logs" / "version_1" / "metrics.csv").read_text()
     assert "val_loss" in metrics and "train_loss" in metrics
     assert os.path.dirname(trainer.checkpoint_callback.best_model_path).startswith(trainer.logger.log_dir)
+
+
+def test_concurrent_fits_on_one_node_get_their_own_rendezvous(tmp_path):
+    """Like parallel Tune trials: two 2-worker fits at once from one process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def fit(name: str) -> bool:
+        model = BoringModel()
+        before = model.layer.weight.clone()
+        trainer = _trainer(max_epochs=2, strategy=RayStrategy(num_workers=2), callbacks=[Recorder(tmp_path, name)])
+        trainer.fit(model)
+        return not torch.equal(before, model.layer.weight)
+
+    with ThreadPoolExecutor(2) as pool:
+        changed = list(pool.map(fit, ["a", "b"]))
+    assert changed == [True, True]
+    masters = {name: {s["master"] for s in read_records(tmp_path, name, "start")} for name in ("a", "b")}
+    assert len(masters["a"]) == len(masters["b"]) == 1, "the workers of one fit must share one rendezvous"
+    assert masters["a"] != masters["b"]
