@@ -31,10 +31,10 @@ from pytorch_lightning.strategies.launchers.launcher import _Launcher
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ray_lightning.environment import assign_cuda_devices, assign_ranks, shares_a_gpu
+from ray_lightning.environment import WorkerRank, assign_cuda_devices, assign_ranks, shares_a_gpu
 from ray_lightning.resources import (
     ClusterResourceError,
     WorkerResources,
@@ -123,7 +123,7 @@ class RayLauncher(_Launcher):
         """Each worker's rank, device and rendezvous, from where the actors landed."""
         node_ids = [i.node_id for i in infos]
         gpu_ids = [i.gpu_ids for i in infos]
-        ranks = assign_ranks(node_ids)
+        ranks = group.ranks
         devices = assign_cuda_devices(node_ids, gpu_ids)
         shared = shares_a_gpu(node_ids, gpu_ids)
         rank_zero = infos[0]  # assign_ranks always gives actor 0 global rank 0
@@ -234,9 +234,10 @@ def _deepest_unpicklable(obj: Any, path: str, depth: int) -> str | None:
 class _WorkerGroup:
     """The placement group and the actors of one launch."""
 
-    def __init__(self, pg: Any, actors: list[Any]) -> None:
+    def __init__(self, pg: Any, actors: list[Any], ranks: list[WorkerRank]) -> None:
         self.pg = pg
         self.actors = actors
+        self.ranks = ranks
         self.infos: list[NodeInfo] = []
 
     @classmethod
@@ -257,12 +258,17 @@ class _WorkerGroup:
         except BaseException:
             remove_placement_group(pg)
             raise
+        # Ranks follow the nodes the bundles were placed on, so each actor knows its rank from the
+        # start (Ray prefixes its log lines with it).
+        bundle_nodes = placement_group_table(pg)["bundles_to_node_id"]
+        ranks = assign_ranks([bundle_nodes[i] for i in range(request.num_workers)])
         remote = ray.remote(RayWorker)
-        group = cls(pg, [])
+        group = cls(pg, [], ranks)
         try:
-            for i in range(request.num_workers):
+            for i, rank in enumerate(ranks):
                 strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-                group.actors.append(remote.options(**request.actor_options(), scheduling_strategy=strategy).remote())
+                options = request.actor_options()
+                group.actors.append(remote.options(**options, scheduling_strategy=strategy).remote(rank.global_rank))
         except BaseException:
             group.shutdown()
             raise

@@ -54,8 +54,13 @@ class NodeInfo:
 class RayWorker:
     """One training process. Created through ``ray.remote(RayWorker).options(...)`` by the launcher."""
 
-    def __init__(self) -> None:
+    def __init__(self, global_rank: int) -> None:
         self._store: Any = None
+        self._global_rank = global_rank
+
+    def __repr__(self) -> str:
+        # Ray prefixes the lines an actor prints with its repr: "(rank 1 pid=...) Epoch 0: ...".
+        return f"rank {self._global_rank}"
 
     def node_info(self) -> NodeInfo:
         return NodeInfo(
