@@ -86,6 +86,19 @@ def test_best_checkpoint_loads_on_driver(tmp_path):
     assert saved["callbacks"], "checkpoint carries callback state"
     torch.testing.assert_close(restored.layer.weight, saved["state_dict"]["layer.weight"])
 
+    # "best" resolves on the workers from the state that came back to the driver.
+    tested = trainer.test(BoringModel(lr=0.02), ckpt_path="best")[0]["test_loss"]
+    with torch.no_grad():
+        test_set = IndexedDataset(64, 8, seed=2)
+        expected = torch.nn.functional.mse_loss(restored(test_set.x), test_set.y)
+    assert tested == pytest.approx(float(expected), rel=1e-5)
+
+    # A new Trainer resumes from the checkpoint and trains on to its own max_epochs.
+    resumed = _trainer(max_epochs=5, strategy=RayStrategy(num_workers=2))
+    resumed.fit(BoringModel(lr=0.02), ckpt_path=checkpoint.best_model_path)
+    assert resumed.current_epoch == 5
+    assert resumed.global_step == saved["global_step"] + (5 - saved["epoch"] - 1) * 4
+
 
 @pytest.mark.parametrize("size", [64, 61])  # 61: ranks get unequal shares
 def test_predict_returns_every_rank_in_dataset_order(size):
