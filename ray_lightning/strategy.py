@@ -215,10 +215,6 @@ class RayStrategy(DDPStrategy):
             # disabled for good, so build it anew for the device this worker trains on.
             self.precision_plugin = MixedPrecision(plugin.precision, self.root_device.type)
 
-    @property
-    def root_device_index(self) -> int | None:
-        return self._worker.device_index if self._worker is not None else None
-
     def set_world_ranks(self) -> None:
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
