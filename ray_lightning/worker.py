@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,7 +45,6 @@ class WorkerContext:
 class NodeInfo:
     node_id: str
     node_ip: str
-    hostname: str
     pid: int
     gpu_ids: list[str]
 
@@ -66,7 +64,6 @@ class RayWorker:
         return NodeInfo(
             node_id=ray.get_runtime_context().get_node_id(),
             node_ip=ray.util.get_node_ip_address(),
-            hostname=socket.gethostname(),
             pid=os.getpid(),
             gpu_ids=[str(g) for g in ray.get_gpu_ids()],
         )

@@ -1,13 +1,12 @@
-"""Small LightningModules and data used across the tests (no downloads: sklearn's digits or generated)."""
+"""Small LightningModules and data used across the tests (generated; the digits task is examples/train_digits.py)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
 
 class IndexedDataset(Dataset):
@@ -78,65 +77,6 @@ class BoringModel(pl.LightningModule):
 
     def predict_dataloader(self):
         return self._loader(3)
-
-
-class DigitsClassifier(pl.LightningModule):
-    """An MLP on scikit-learn's bundled 8x8 digits: a real task with a real accuracy."""
-
-    def __init__(self, hidden: int = 64, lr: float = 0.01, batch_size: int = 64) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
-
-    def forward(self, x):
-        return self.net(x)
-
-    def _step(self, batch, prefix: str):
-        x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits, y)
-        acc = (logits.argmax(dim=1) == y).float().mean()
-        self.log(f"{prefix}_loss", loss, sync_dist=prefix != "train", prog_bar=True)
-        self.log(f"{prefix}_acc", acc, sync_dist=prefix != "train", prog_bar=True)
-        return loss
-
-    def training_step(self, batch, batch_idx):
-        return self._step(batch, "train")
-
-    def validation_step(self, batch, batch_idx):
-        self._step(batch, "val")
-
-    def test_step(self, batch, batch_idx):
-        self._step(batch, "test")
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
-
-
-class DigitsDataModule(pl.LightningDataModule):
-    def __init__(self, batch_size: int = 64) -> None:
-        super().__init__()
-        self.batch_size = batch_size
-
-    def setup(self, stage: str) -> None:
-        from sklearn.datasets import load_digits
-
-        digits = load_digits()
-        x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
-        y = torch.tensor(digits.target, dtype=torch.long)
-        perm = torch.from_numpy(np.random.RandomState(0).permutation(len(x)))
-        x, y = x[perm], y[perm]
-        self.train_set = TensorDataset(x[:1400], y[:1400])
-        self.val_set = TensorDataset(x[1400:], y[1400:])
-
-    def train_dataloader(self):
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
-
-    def val_dataloader(self):
-        return DataLoader(self.val_set, batch_size=self.batch_size)
-
-    def test_dataloader(self):
-        return DataLoader(self.val_set, batch_size=self.batch_size)
 
 
 class Recorder(pl.Callback):

@@ -12,16 +12,10 @@ import torch
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from torch.utils.data import DataLoader
 
+from examples.train_digits import DigitsClassifier, DigitsDataModule
 from ray_lightning import RayAccelerator, RayStrategy, RayWorkerError
 from tests.conftest import alive_worker_actors, wait_for
-from tests.models import (
-    BoringModel,
-    DigitsClassifier,
-    DigitsDataModule,
-    IndexedDataset,
-    Recorder,
-    read_records,
-)
+from tests.models import BoringModel, IndexedDataset, Recorder, read_records
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -173,7 +167,6 @@ def test_unused_parameters_need_the_ddp_kwarg():
     trainer = _trainer(max_epochs=1, strategy=RayStrategy(num_workers=2, find_unused_parameters=True))
     trainer.fit(model)
     assert not torch.equal(before, model.layer.weight)
-    assert trainer.strategy._ddp_kwargs == {"find_unused_parameters": True}
 
 
 class LoaderWorkersModel(BoringModel):
@@ -331,7 +324,6 @@ def test_killed_worker_gives_an_error_not_a_hang():
 
 def test_repeated_fits_and_tests_leave_no_actors():
     model = BoringModel()
-    trainer = _trainer(max_epochs=1, strategy=RayStrategy(num_workers=2))
     losses = []
     for _ in range(3):
         trainer = _trainer(max_epochs=1, strategy=RayStrategy(num_workers=2))
