@@ -6,6 +6,12 @@
 
 Each creates `.venv/` in the checkout on first use, installs what it needs into it, and reuses it
 afterwards. torch is installed as the CPU build unless an NVIDIA GPU is visible (`nvidia-smi`).
+
+`test` also installs Horovod (for HorovodRayStrategy). Horovod 0.28.1, its last release, does not
+build against torch >= 2.1 as released (it compiles as C++14; torch's headers need C++17), so this
+builds its sdist once with that one-line fix and keeps the wheel in a per-machine cache
+(`$RAY_LIGHTNING_WHEEL_CACHE`, default `~/.cache/ray_lightning/wheels`): later venvs, clones and
+CI runs on the machine install the cached wheel in seconds. The first build takes about 5 minutes.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import venv
 from pathlib import Path
 
@@ -22,6 +30,8 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 PYTHON = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 TORCH_VERSION = "2.13.0"
+HOROVOD_VERSION = "0.28.1"
+WHEEL_CACHE = Path(os.environ.get("RAY_LIGHTNING_WHEEL_CACHE", Path.home() / ".cache" / "ray_lightning" / "wheels"))
 # Everything whose change means the environment must be brought up to date.
 INSTALL_INPUTS = ("setup.py", "dev.py")
 
@@ -74,8 +84,80 @@ def ensure_venv() -> None:
     if probe.returncode != 0:
         _install_torch()
     _pip("-e", ".[test]")
-    for old in VENV.glob(".installed-*"):
+    for old in [*VENV.glob(".installed-*"), *VENV.glob(".horovod-*")]:
         old.unlink()
+    stamp.touch()
+
+
+def _venv_output(code: str) -> str:
+    return subprocess.run([str(PYTHON), "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _horovod_wheel_dir() -> Path:
+    # The wheel's compiled extension is tied to the exact torch build and Python it was built against.
+    build = _venv_output(
+        "import sys, sysconfig, torch; "
+        "print(f'torch{torch.__version__}-{sysconfig.get_platform()}-py{sys.version_info[0]}{sys.version_info[1]}')"
+    )
+    return WHEEL_CACHE / f"horovod-{HOROVOD_VERSION}-{build}".replace("+", "_")
+
+
+def _build_horovod_wheel(into: Path) -> None:
+    print(f"Building Horovod {HOROVOD_VERSION} once for this machine (about 5 minutes); cached in {into}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="horovod-build-") as tmp:
+        tmp_path = Path(tmp)
+        _run(
+            str(PYTHON), "-m", "pip", "download", "--disable-pip-version-check", "--no-deps", "--no-binary", ":all:",
+            f"horovod=={HOROVOD_VERSION}", "-d", str(tmp_path),
+        )  # fmt: skip
+        with tarfile.open(next(tmp_path.glob("horovod-*.tar.gz"))) as sdist:
+            if hasattr(tarfile, "data_filter"):
+                sdist.extractall(tmp_path, filter="data")
+            else:  # Python < 3.10.12 has no extraction filters
+                sdist.extractall(tmp_path)
+        src = tmp_path / f"horovod-{HOROVOD_VERSION}"
+        for cmake_file in (src / "CMakeLists.txt", src / "horovod" / "torch" / "CMakeLists.txt"):
+            text = cmake_file.read_text()
+            if "set(CMAKE_CXX_STANDARD 14)" not in text:
+                raise SystemExit(f"{cmake_file} no longer sets C++14; the Horovod build fix needs revisiting")
+            cmake_file.write_text(text.replace("set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)"))
+        # Build requirements come from the venv itself (--no-build-isolation), so the extension is
+        # compiled against the torch that will import it.
+        _pip("setuptools", "wheel", "packaging", *([] if shutil.which("cmake") else ["cmake"]))
+        env = dict(
+            os.environ,
+            HOROVOD_WITH_PYTORCH="1",
+            HOROVOD_WITH_GLOO="1",
+            HOROVOD_WITHOUT_MPI="1",
+            HOROVOD_WITHOUT_TENSORFLOW="1",
+            HOROVOD_WITHOUT_MXNET="1",
+            HOROVOD_CPU_OPERATIONS="gloo",
+            MAKEFLAGS=f"-j{os.cpu_count() or 2}",
+        )
+        if _has_cuda() and shutil.which("nvcc"):
+            env["HOROVOD_GPU_OPERATIONS"] = "NCCL"
+        built = tmp_path / "wheel"
+        _run(
+            str(PYTHON), "-m", "pip", "wheel", "--disable-pip-version-check", "--no-build-isolation", "--no-deps",
+            "-w", str(built), str(src), env=env,
+        )  # fmt: skip
+        into.mkdir(parents=True, exist_ok=True)
+        for wheel in built.glob("*.whl"):
+            # Copy then rename, so a concurrent or interrupted run never sees half a wheel.
+            partial = into / (wheel.name + ".partial")
+            shutil.copy2(wheel, partial)
+            partial.rename(into / wheel.name)
+
+
+def ensure_horovod() -> None:
+    stamp = VENV / f".horovod-{HOROVOD_VERSION}"
+    if stamp.exists():
+        return
+    wheel_dir = _horovod_wheel_dir()
+    if not list(wheel_dir.glob("horovod-*.whl")):
+        _build_horovod_wheel(wheel_dir)
+    _pip(str(next(wheel_dir.glob("horovod-*.whl"))))
+    _venv_output("import horovod.torch, horovod.ray")
     stamp.touch()
 
 
@@ -84,6 +166,8 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     ensure_venv()
+    if argv[0] == "test":
+        ensure_horovod()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if argv[0] == "example":
         cmd = [str(PYTHON), "examples/train_digits.py", *argv[1:]]

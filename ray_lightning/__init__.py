@@ -1,19 +1,22 @@
-"""Train a PyTorch Lightning module on Ray actors with DDP.
+"""Train a PyTorch Lightning module on Ray actors with DDP or Horovod.
 
 Example::
 
     import pytorch_lightning as pl
-    from ray_lightning import RayStrategy, RayAccelerator
+    from ray_lightning import HorovodRayAccelerator, RayAccelerator, RayStrategy
 
     trainer = pl.Trainer(max_epochs=4, strategy=RayStrategy(num_workers=4))
     # or, the classic form:
     trainer = pl.Trainer(max_epochs=4, accelerator=RayAccelerator(num_workers=4, cpus_per_worker=1))
+    # or Horovod (needs Horovod installed):
+    trainer = pl.Trainer(max_epochs=4, accelerator=HorovodRayAccelerator(num_hosts=2, num_slots=4))
     trainer.fit(model)
 """
 
 from ray_lightning import accelerator_hook
-from ray_lightning.accelerator import RayAccelerator
+from ray_lightning.accelerator import HorovodRayAccelerator, RayAccelerator
 from ray_lightning.environment import RayEnvironment
+from ray_lightning.horovod_strategy import HorovodRayStrategy
 from ray_lightning.launcher import RayWorkerError
 from ray_lightning.resources import ClusterResourceError
 from ray_lightning.strategy import RayStrategy
@@ -24,6 +27,8 @@ accelerator_hook.install()
 
 __all__ = [
     "ClusterResourceError",
+    "HorovodRayAccelerator",
+    "HorovodRayStrategy",
     "RayAccelerator",
     "RayEnvironment",
     "RayStrategy",

@@ -21,7 +21,8 @@ from ray_lightning import accelerator_hook
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-    from ray_lightning.strategy import RayStrategy
+    from ray_lightning.horovod_strategy import HorovodRayStrategy
+    from ray_lightning.strategy_base import RayWorkersMixin
 
 # Set by the worker actor (ray_lightning.worker) so the accelerator knows it runs where training happens.
 _IN_RAY_WORKER = False
@@ -56,22 +57,26 @@ class RayAccelerator(Accelerator):
         self._strategy_kwargs = dict(
             num_workers=num_workers, num_cpus_per_worker=cpus_per_worker, use_gpu=use_gpu, **strategy_kwargs
         )
-        self._strategy: RayStrategy | None = None
+        self._strategy: RayWorkersMixin | None = None
         # Validate now so bad arguments fail in Trainer(...), not in fit().
         self.make_strategy()
 
-    def make_strategy(self) -> RayStrategy:
+    @classmethod
+    def _strategy_class(cls) -> type[RayWorkersMixin]:
+        from ray_lightning.strategy import RayStrategy
+
+        return RayStrategy
+
+    def make_strategy(self) -> RayWorkersMixin:
         """The strategy this accelerator stands for (built once)."""
         if self._strategy is None:
-            from ray_lightning.strategy import RayStrategy
-
-            self._strategy = RayStrategy(**self._strategy_kwargs)
+            self._strategy = self._strategy_class()(**self._strategy_kwargs)
             self._strategy.accelerator = self
         return self._strategy
 
     @classmethod
-    def _for_strategy(cls, strategy: RayStrategy) -> RayAccelerator:
-        """The accelerator a RayStrategy uses when the user did not pass a RayAccelerator."""
+    def _for_strategy(cls, strategy: RayWorkersMixin) -> RayAccelerator:
+        """The accelerator a strategy uses when the user did not pass one of these accelerators."""
         accelerator = cls.__new__(cls)
         Accelerator.__init__(accelerator)
         accelerator._strategy_kwargs = {}
@@ -132,8 +137,60 @@ class RayAccelerator(Accelerator):
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self._strategy_kwargs.items())
-        return f"RayAccelerator({args})"
+        return f"{type(self).__name__}({args})"
+
+
+class HorovodRayAccelerator(RayAccelerator):
+    """Train on Ray actors with Horovod: the classic form of :class:`~ray_lightning.HorovodRayStrategy`.
+
+    Args:
+        num_workers: number of training processes, packed onto as few nodes as the cluster allows.
+        num_hosts: number of different nodes to train on (instead of ``num_workers``).
+        num_slots: workers on each of those nodes.
+        cpus_per_worker: CPUs reserved for each worker.
+        use_gpu: reserve one GPU per worker and train on CUDA.
+        **strategy_kwargs: any other :class:`~ray_lightning.HorovodRayStrategy` argument.
+
+    Example::
+
+        trainer = pl.Trainer(max_epochs=2, accelerator=HorovodRayAccelerator(num_hosts=2, num_slots=4, use_gpu=True))
+        trainer.fit(model)
+    """
+
+    def __init__(
+        self,
+        num_workers: int | None = None,
+        num_hosts: int | None = None,
+        num_slots: int | None = None,
+        cpus_per_worker: float = 1,
+        use_gpu: bool = False,
+        **strategy_kwargs: Any,
+    ) -> None:
+        super().__init__(
+            num_workers=num_workers,  # type: ignore[arg-type]
+            cpus_per_worker=cpus_per_worker,
+            use_gpu=use_gpu,
+            num_hosts=num_hosts,
+            num_slots=num_slots,
+            **strategy_kwargs,
+        )
+
+    @classmethod
+    def _strategy_class(cls) -> type[HorovodRayStrategy]:
+        from ray_lightning.horovod_strategy import HorovodRayStrategy
+
+        return HorovodRayStrategy
+
+    @staticmethod
+    def name() -> str:
+        return "horovod_ray"
+
+    @classmethod
+    def register_accelerators(cls, accelerator_registry: Any) -> None:
+        accelerator_registry.register("horovod_ray", cls, description="Horovod on Ray actors (ray_lightning)")
 
 
 if "ray" not in AcceleratorRegistry:
     RayAccelerator.register_accelerators(AcceleratorRegistry)
+if "horovod_ray" not in AcceleratorRegistry:
+    HorovodRayAccelerator.register_accelerators(AcceleratorRegistry)

@@ -6,10 +6,12 @@ strategy to keep Lightning from judging devices by the driver's hardware (the dr
 cluster often has no GPU, and Lightning refuses DDP strategies on Apple-silicon laptops). This
 module wraps three methods of Lightning's private ``_AcceleratorConnector``:
 
-* ``_check_config_and_set_final_flags``: with ``strategy=RayStrategy(...)`` (or ``"ray"``), the
-  strategy's own RayAccelerator replaces ``accelerator=`` (``"auto"``, ``"cpu"``, ``"gpu"``...):
-  the GPUs reserved for the workers decide the device, not the driver's hardware.
-* ``_choose_strategy`` (called when ``strategy="auto"``): returns a RayAccelerator's RayStrategy.
+* ``_check_config_and_set_final_flags``: with ``strategy=RayStrategy(...)`` (or ``"ray"``;
+  likewise ``HorovodRayStrategy``/``"horovod_ray"``), the strategy's own RayAccelerator replaces
+  ``accelerator=`` (``"auto"``, ``"cpu"``, ``"gpu"``...): the GPUs reserved for the workers decide
+  the device, not the driver's hardware.
+* ``_choose_strategy`` (called when ``strategy="auto"``): returns a RayAccelerator's (or
+  HorovodRayAccelerator's) strategy.
 * ``_init_strategy``: refuses a RayAccelerator combined with any other strategy (``"ddp"`` would
   re-launch ``sys.argv`` instead of using Ray).
 
@@ -27,6 +29,8 @@ from typing import Any
 import pytorch_lightning as pl
 
 _WRAPPED = ("_check_config_and_set_final_flags", "_choose_strategy", "_init_strategy")
+# Strategy names that must be built before Lightning sees them, so their accelerator can be chosen.
+_STRATEGY_NAMES = ("ray", "horovod_ray")
 _install_error: str | None = None
 _installed = False
 
@@ -56,11 +60,13 @@ def _install() -> None:
     def _check_config_and_set_final_flags(
         self: Any, strategy: Any, accelerator: Any, *args: Any, **kwargs: Any
     ) -> None:
-        from ray_lightning.strategy import RayStrategy
+        from pytorch_lightning.strategies import StrategyRegistry
 
-        if isinstance(strategy, str) and strategy.lower() == RayStrategy.strategy_name:
-            strategy = RayStrategy()
-        if isinstance(strategy, RayStrategy):
+        from ray_lightning.strategy_base import RayWorkersMixin
+
+        if isinstance(strategy, str) and strategy.lower() in _STRATEGY_NAMES:
+            strategy = StrategyRegistry.get(strategy.lower())
+        if isinstance(strategy, RayWorkersMixin):
             accelerator = strategy._prepare_for_trainer(accelerator)
         original_check(self, strategy, accelerator, *args, **kwargs)
 
@@ -74,17 +80,19 @@ def _install() -> None:
 
     def _init_strategy(self: Any) -> None:
         from ray_lightning.accelerator import RayAccelerator
-        from ray_lightning.strategy import RayStrategy
+        from ray_lightning.strategy_base import RayWorkersMixin
 
         original_init(self)
         accelerator = getattr(self, "accelerator", None)
-        if isinstance(accelerator, RayAccelerator) and not isinstance(self.strategy, RayStrategy):
+        if isinstance(accelerator, RayAccelerator) and not isinstance(self.strategy, RayWorkersMixin):
             flag = self._strategy_flag
             shown = repr(flag) if isinstance(flag, str) else f"{type(flag).__name__}(...)"
+            accel = type(accelerator).__name__
+            strategy_name = accelerator._strategy_class().__name__
             raise ValueError(
-                f"Trainer(accelerator=RayAccelerator(...)) cannot be combined with strategy={shown}: "
-                "the RayAccelerator brings its own RayStrategy. "
-                "Drop the strategy argument, or pass strategy=RayStrategy(...) without the RayAccelerator."
+                f"Trainer(accelerator={accel}(...)) cannot be combined with strategy={shown}: "
+                f"the {accel} brings its own {strategy_name}. "
+                f"Drop the strategy argument, or pass strategy={strategy_name}(...) without the {accel}."
             )
 
     _check_config_and_set_final_flags.__wrapped__ = original_check  # type: ignore[attr-defined]

@@ -47,7 +47,7 @@ from ray_lightning.worker import NodeInfo, RayWorker, WorkerContext
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-    from ray_lightning.strategy import RayStrategy
+    from ray_lightning.strategy_base import RayWorkersMixin
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def ensure_ray_initialized() -> None:
 class RayLauncher(_Launcher):
     """Runs a Trainer function on Ray actors; see the module docstring for the steps."""
 
-    def __init__(self, strategy: RayStrategy) -> None:
+    def __init__(self, strategy: RayWorkersMixin) -> None:
         self._strategy = strategy
         self._group: _WorkerGroup | None = None
         # Checkpoint files the last launch copied from rank 0's node onto the driver's machine.
@@ -127,7 +127,10 @@ class RayLauncher(_Launcher):
         devices = assign_cuda_devices(node_ids, gpu_ids)
         shared = shares_a_gpu(node_ids, gpu_ids)
         rank_zero = infos[0]  # assign_ranks always gives actor 0 global rank 0
-        port = group.open_rendezvous(self._strategy.worker_start_timeout_s)
+        nodes_by_rank = [node for _, node in sorted(zip((r.global_rank for r in ranks), node_ids))]
+        port, rank_env = group.open_rendezvous(
+            self._strategy._rendezvous, nodes_by_rank, self._strategy.worker_start_timeout_s
+        )
         driver_node = ray.get_runtime_context().get_node_id()
         env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
         # Trainer(deterministic=..., benchmark=...) set these in this process only.
@@ -153,7 +156,7 @@ class RayLauncher(_Launcher):
                 device_index=index,
                 shares_gpu=shared,
                 send_files=rank.global_rank == 0 and info.node_id != driver_node,
-                env_vars=env,
+                env_vars={**env, **rank_env[rank.global_rank]},
                 driver_sys_path=tuple(p for p in sys.path if p),
                 torch_flags=torch_flags,
             )
@@ -242,8 +245,8 @@ class _WorkerGroup:
 
     @classmethod
     def start(cls, request: WorkerResources, timeout_s: float) -> _WorkerGroup:
-        bundles = [request.bundle() for _ in range(request.num_workers)]
-        pg = placement_group(bundles, strategy="PACK")
+        bundles, placement = request.placement()
+        pg = placement_group(bundles, strategy=placement)
         try:
             ray.get(pg.ready(), timeout=timeout_s)
         except GetTimeoutError:
@@ -261,12 +264,12 @@ class _WorkerGroup:
         # Ranks follow the nodes the bundles were placed on, so each actor knows its rank from the
         # start (Ray prefixes its log lines with it).
         bundle_nodes = placement_group_table(pg)["bundles_to_node_id"]
-        ranks = assign_ranks([bundle_nodes[i] for i in range(request.num_workers)])
+        ranks = assign_ranks([bundle_nodes[request.bundle_index(i)] for i in range(request.num_workers)])
         remote = ray.remote(RayWorker)
         group = cls(pg, [], ranks)
         try:
             for i, rank in enumerate(ranks):
-                strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=request.bundle_index(i))
                 options = request.actor_options()
                 group.actors.append(remote.options(**options, scheduling_strategy=strategy).remote(rank.global_rank))
         except BaseException:
@@ -278,8 +281,11 @@ class _WorkerGroup:
         self.infos = self._get([a.node_info.remote() for a in self.actors], timeout_s, "report where they run")
         return self.infos
 
-    def open_rendezvous(self, timeout_s: float) -> int:
-        return self._get([self.actors[0].open_rendezvous.remote(timeout_s)], timeout_s, "open the rendezvous")[0]
+    def open_rendezvous(self, kind: str, nodes_by_rank: list[str], timeout_s: float) -> tuple[int, list[dict]]:
+        """Have rank 0 open the rendezvous; returns its port and each rank's extra environment."""
+        rank_zero = self.actors[next(i for i, r in enumerate(self.ranks) if r.global_rank == 0)]
+        ref = rank_zero.open_rendezvous.remote(kind, nodes_by_rank, timeout_s)
+        return self._get([ref], timeout_s, "open the rendezvous")[0]
 
     def _get(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
         try:

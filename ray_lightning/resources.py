@@ -31,16 +31,38 @@ class WorkerResources:
     """The resources one worker actor reserves, and how many workers there are.
 
     ``gpus`` follows what is actually reserved: a worker trains on CUDA exactly when ``gpus > 0``.
+    With ``num_hosts`` set, the workers are ``num_hosts`` groups of ``num_workers // num_hosts``,
+    each group on its own node; otherwise Ray packs them onto as few nodes as it can.
     """
 
     num_workers: int
     cpus: float
     gpus: float
     custom: Mapping[str, float] = field(default_factory=dict)
+    num_hosts: int | None = None
 
     @property
     def use_gpu(self) -> bool:
         return self.gpus > 0
+
+    @property
+    def workers_per_host(self) -> int:
+        return self.num_workers // self.num_hosts if self.num_hosts else 1
+
+    def placement(self) -> tuple[list[dict[str, float]], str]:
+        """The placement group's bundles and strategy.
+
+        Without hosts: one bundle per worker, packed. With hosts: one bundle per host holding all
+        of that host's workers, each on a different node (``STRICT_SPREAD``).
+        """
+        if not self.num_hosts:
+            return [self.bundle() for _ in range(self.num_workers)], "PACK"
+        per_host = {k: v * self.workers_per_host for k, v in self.bundle().items()}
+        return [dict(per_host) for _ in range(self.num_hosts)], "STRICT_SPREAD"
+
+    def bundle_index(self, worker: int) -> int:
+        """The bundle worker number ``worker`` draws its resources from."""
+        return worker // self.workers_per_host if self.num_hosts else worker
 
     def bundle(self) -> dict[str, float]:
         """One placement-group bundle: exactly what one worker actor asks for."""
@@ -62,7 +84,10 @@ class WorkerResources:
 
     def describe(self) -> str:
         parts = [f"{_fmt(v)} {k}" for k, v in self.bundle().items()]
-        return f"{self.num_workers} worker(s) x {{{', '.join(parts) or 'nothing'}}}"
+        each = f"{{{', '.join(parts) or 'nothing'}}}"
+        if self.num_hosts:
+            return f"{self.num_hosts} host(s) x {self.workers_per_host} worker(s) x {each}"
+        return f"{self.num_workers} worker(s) x {each}"
 
 
 def _fmt(value: float) -> str:
@@ -82,17 +107,21 @@ def resolve_worker_resources(
     num_cpus_per_worker: Any = 1,
     use_gpu: Any = False,
     resources_per_worker: Mapping[str, Any] | None = None,
+    num_hosts: int | None = None,
 ) -> WorkerResources:
     """Validate the user's arguments and merge them into one :class:`WorkerResources`.
 
     ``resources_per_worker`` wins over the plain arguments: its ``CPU`` replaces
     ``num_cpus_per_worker`` and its ``GPU`` replaces ``use_gpu`` (``GPU: 0`` means CPU training even
     with ``use_gpu=True``; ``GPU: 0.5`` means CUDA training even with ``use_gpu=False``).
+    ``num_hosts`` (validated by the caller) must divide ``num_workers``.
     """
     if isinstance(num_workers, bool) or not isinstance(num_workers, numbers.Integral):
         raise TypeError(f"num_workers must be an int >= 1, got {num_workers!r}.")
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers!r}.")
+    if num_hosts is not None and num_workers % num_hosts:
+        raise ValueError(f"num_workers={num_workers} cannot be split evenly over num_hosts={num_hosts}.")
     cpus = _check_amount("num_cpus_per_worker", num_cpus_per_worker)
     if not isinstance(use_gpu, bool):
         raise TypeError(f"use_gpu must be True or False, got {use_gpu!r}.")
@@ -128,7 +157,7 @@ def resolve_worker_resources(
         )
     if gpus > 1 and not gpus.is_integer():
         raise ValueError(f"A worker can reserve a fraction of one GPU or whole GPUs, not {gpus:g}.")
-    return WorkerResources(int(num_workers), cpus, gpus, custom)
+    return WorkerResources(int(num_workers), cpus, gpus, custom, num_hosts)
 
 
 class ClusterResourceError(RuntimeError):
@@ -169,6 +198,16 @@ def check_cluster_can_hold(request: WorkerResources, nodes: list[dict[str, float
             f"the nodes have: {'; '.join(describe_totals(n) for n in nodes)}. "
             "Ask for fewer resources per worker."
         )
+    if request.num_hosts:
+        per_host = {k: v * request.workers_per_host for k, v in bundle.items()}
+        fitting = sum(all(node.get(k, 0) >= v for k, v in per_host.items()) for node in nodes)
+        if fitting < request.num_hosts:
+            raise ClusterResourceError(
+                f"Asked for {request.describe()}: {request.num_hosts} different nodes that each hold "
+                f"{describe_totals(per_host)}, but only {fitting} of the cluster's {len(nodes)} node(s) can "
+                f"(the nodes have: {'; '.join(describe_totals(n) for n in nodes)}). "
+                "Use fewer hosts or slots, or num_workers to let Ray pack the workers."
+            )
     for name, amount in bundle.items():
         if amount * request.num_workers > totals.get(name, 0) + 1e-9:
             raise ClusterResourceError(

@@ -68,18 +68,26 @@ class RayWorker:
             gpu_ids=[str(g) for g in ray.get_gpu_ids()],
         )
 
-    def open_rendezvous(self, timeout_s: float) -> int:
-        """Start torch.distributed's TCPStore on a port the OS picks, and return that port.
+    def open_rendezvous(self, kind: str, nodes_by_rank: list[str], timeout_s: float) -> tuple[int, list[dict]]:
+        """Open the rendezvous the other workers connect to (rank 0 only); keep it open while training.
 
-        Binding port 0 here, in the process that keeps the store open, means no other process can
-        take the port between choosing and using it, so concurrent fits on one node never collide.
+        Returns its port and, per global rank, extra environment variables for that worker.
+        ``kind`` "torch": torch.distributed's TCPStore. "horovod": horovod.ray's Gloo rendezvous
+        server (:mod:`ray_lightning.horovod_support`). Either binds a port the OS picks, here in
+        the process that keeps it open, so no other process can take the port between choosing
+        and using it, and concurrent fits on one node never collide.
         """
+        if kind == "horovod":
+            from ray_lightning.horovod_support import open_rendezvous
+
+            self._store, port, rank_env = open_rendezvous(nodes_by_rank, timeout_s)
+            return port, rank_env
         from torch.distributed import TCPStore
 
         self._store = TCPStore(
             "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
         )
-        return self._store.port
+        return self._store.port, [{} for _ in nodes_by_rank]
 
     def execute(self, payload: list[ray.ObjectRef], context: WorkerContext) -> Any:
         """Run the Trainer function (``trainer._fit_impl`` etc.) with this worker's rank.

@@ -120,7 +120,7 @@ class Recorder(pl.Callback):
                     trainer.progress_bar_callback and trainer.progress_bar_callback.is_enabled
                 ),
                 "device": str(pl_module.device),
-                "backend": __import__("torch").distributed.get_backend(),
+                "backend": _backend(),
                 "precision_device": getattr(trainer.precision_plugin, "device", None),
                 "precision": type(trainer.precision_plugin).__name__,
                 "deterministic": __import__("torch").are_deterministic_algorithms_enabled(),
@@ -158,3 +158,9 @@ def read_records(directory, name: str, key: str) -> list[dict]:
     files = sorted(Path(directory).glob(f"{name}-{key}-rank*.json"))
     records = [json.loads(f.read_text()) for f in files]
     return sorted(records, key=lambda r: r.get("global_rank", 0))
+
+
+def _backend() -> str | None:
+    import torch.distributed as dist
+
+    return dist.get_backend() if dist.is_initialized() else None

@@ -1,0 +1,292 @@
+"""``HorovodRayStrategy``: what Lightning sees — Horovod (over Gloo, or NCCL on GPUs) between Ray actors.
+
+Lightning 2.x has no Horovod strategy, so this is one, written against Lightning's
+``ParallelStrategy`` interface. Workers start, get their ranks and return their results exactly as
+with :class:`~ray_lightning.RayStrategy` (the shared :class:`~ray_lightning.launcher.RayLauncher`);
+only the rendezvous (horovod.ray's Gloo rendezvous, see :mod:`ray_lightning.horovod_support`)
+and the collectives differ:
+
+* gradients: ``hvd.DistributedOptimizer`` with ``backward_passes_per_step`` equal to
+  ``accumulate_grad_batches``, synchronized once after the backward pass of each optimizer step;
+* parameters (and any existing optimizer state) broadcast from rank 0 before training;
+* ``self.log(..., sync_dist=True)``, ``all_gather`` and ``broadcast`` use Horovod's allreduce,
+  allgather and broadcast_object; barriers use ``hvd.join``.
+
+Decision: unlike Lightning 1.x's ``HorovodStrategy``, the learning rate is *not* multiplied by the
+number of workers. Horovod averages gradients exactly as DDP does, so the same LightningModule
+trains the same way under HorovodRayStrategy and RayStrategy; scale the rate yourself if you want
+Horovod's linear-scaling rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import ray
+import torch
+from lightning_fabric.utilities.seed import reset_seed
+from pytorch_lightning.callbacks import GradientAccumulationScheduler
+from pytorch_lightning.core.optimizer import LightningOptimizer
+from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
+from pytorch_lightning.trainer.states import TrainerFn
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ray_lightning import horovod_support
+from ray_lightning.environment import RayEnvironment
+from ray_lightning.resources import resolve_worker_resources
+from ray_lightning.strategy_base import RayWorkersMixin
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+    from ray_lightning.accelerator import RayAccelerator
+
+
+def worker_layout(num_workers: Any, num_hosts: Any, num_slots: Any) -> tuple[int, int | None]:
+    """``(number of workers, number of hosts or None)`` from the three ways of saying how many.
+
+    ``num_workers`` alone lets Ray pack the workers; ``num_hosts`` and/or ``num_slots`` put
+    ``num_slots`` workers on each of ``num_hosts`` different nodes (a missing one counts as 1).
+    """
+    for name, value in (("num_workers", num_workers), ("num_hosts", num_hosts), ("num_slots", num_slots)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int >= 1, got {value!r}.")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value!r}.")
+    if num_workers is not None and (num_hosts is not None or num_slots is not None):
+        raise ValueError(
+            "Give either num_workers (Ray packs the workers onto as few nodes as it can) or "
+            "num_hosts/num_slots (num_slots workers on each of num_hosts nodes), not both."
+        )
+    if num_hosts is None and num_slots is None:
+        return (num_workers or 1), None
+    hosts, slots = num_hosts or 1, num_slots or 1
+    return hosts * slots, hosts
+
+
+class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
+    """Horovod data-parallel training across Ray actors.
+
+    Args:
+        num_workers: number of training processes, packed onto as few nodes as the cluster allows.
+        num_hosts: number of different nodes to train on (with ``num_slots``; instead of ``num_workers``).
+        num_slots: workers on each of those nodes.
+        num_cpus_per_worker: CPUs reserved for each worker.
+        use_gpu: reserve one GPU per worker and train on CUDA (Horovod must be built with NCCL).
+        resources_per_worker: Ray resources per worker, e.g. ``{"CPU": 2, "GPU": 1, "my_accel": 1}``;
+            wins over ``num_cpus_per_worker`` and ``use_gpu``.
+        init_hook: called without arguments in every worker before training.
+        placement_timeout_s: how long to wait for the cluster to free the resources (default 60 s,
+            or ``RAY_LIGHTNING_PLACEMENT_TIMEOUT_S``).
+        worker_start_timeout_s: how long started workers may take to report in and meet (default
+            300 s, or ``RAY_LIGHTNING_WORKER_START_TIMEOUT_S``); also Gloo's rendezvous timeout.
+
+    Example::
+
+        trainer = pl.Trainer(max_epochs=4, strategy=HorovodRayStrategy(num_hosts=2, num_slots=4, use_gpu=True))
+        trainer.fit(model)  # weights, metrics and the best checkpoint are back here afterwards
+    """
+
+    strategy_name = "horovod_ray"
+    _rendezvous = "horovod"
+
+    def __init__(
+        self,
+        num_workers: int | None = None,
+        num_hosts: int | None = None,
+        num_slots: int | None = None,
+        num_cpus_per_worker: float = 1,
+        use_gpu: bool = False,
+        resources_per_worker: Mapping[str, float] | None = None,
+        init_hook: Callable[[], Any] | None = None,
+        *,
+        placement_timeout_s: float | None = None,
+        worker_start_timeout_s: float | None = None,
+    ) -> None:
+        workers, hosts = worker_layout(num_workers, num_hosts, num_slots)
+        resources = resolve_worker_resources(workers, num_cpus_per_worker, use_gpu, resources_per_worker, hosts)
+        # Fail here, on the driver, rather than in every worker.
+        horovod_support.import_horovod_torch()
+        self._init_workers(resources, init_hook, placement_timeout_s, worker_start_timeout_s)
+        super().__init__(cluster_environment=RayEnvironment(workers))
+        self._exit_stack: contextlib.ExitStack | None = None
+
+    @classmethod
+    def _accelerator_class(cls) -> type[RayAccelerator]:
+        from ray_lightning.accelerator import HorovodRayAccelerator
+
+        return HorovodRayAccelerator
+
+    @property
+    def num_hosts(self) -> int | None:
+        return self.resources.num_hosts
+
+    @property
+    def num_slots(self) -> int | None:
+        return self.resources.workers_per_host if self.resources.num_hosts else None
+
+    # -- inside a worker ----------------------------------------------------------------------------
+
+    @property
+    def _hvd(self) -> Any:
+        return horovod_support.import_horovod_torch()
+
+    def setup_environment(self) -> None:
+        self.set_world_ranks()
+        hvd = horovod_support.init_horovod(ray.util.get_node_ip_address())
+        if (hvd.rank(), hvd.size()) != (self.global_rank, self.world_size):
+            raise RuntimeError(
+                f"Horovod started as rank {hvd.rank()} of {hvd.size()}, but ray_lightning placed this worker as "
+                f"rank {self.global_rank} of {self.world_size}."
+            )
+        reset_seed()
+        super().setup_environment()
+
+    def model_to_device(self) -> None:
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        hvd = self._hvd
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise ValueError(
+                "HorovodRayStrategy needs one accumulate_grad_batches for the whole run (Horovod fixes how many "
+                "backward passes make a step when it wraps the optimizer); GradientAccumulationScheduler "
+                "changes it between epochs. Use Trainer(accumulate_grad_batches=N)."
+            )
+        module = self.lightning_module
+        assert module is not None
+        hvd.broadcast_parameters(module.state_dict(), root_rank=0)
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        for optimizer in optimizers:
+            # Horovod initialises an empty state with a zero-gradient step, which moves weights
+            # under weight decay; an empty state is the same everywhere, so only a real one is sent.
+            if optimizer.state_dict()["state"]:
+                hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        wrapped = [self._wrap(optimizer, hvd, trainer.accumulate_grad_batches) for optimizer in optimizers]
+        for config in self.lr_scheduler_configs:
+            for old, new in zip(optimizers, wrapped):
+                if getattr(config.scheduler, "optimizer", None) is old:
+                    _retarget_scheduler(config.scheduler, new)
+        self.optimizers = wrapped
+        self._exit_stack = contextlib.ExitStack()
+        for optimizer in wrapped:
+            # Gradients are synchronized once per step in optimizer_step(), after the closure ran
+            # the backward pass; step() itself must not synchronize again.
+            self._exit_stack.enter_context(optimizer.skip_synchronize())
+
+    def _wrap(self, optimizer: Optimizer, hvd: Any, accumulate_grad_batches: int) -> Optimizer:
+        if hasattr(optimizer, "synchronize"):  # already a Horovod optimizer
+            return optimizer
+        module = self.lightning_module
+        assert module is not None
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return hvd.DistributedOptimizer(
+            optimizer,
+            named_parameters=[(n, p) for n, p in module.named_parameters() if id(p) in in_optimizer],
+            # Gradients of the micro-batches before the last one are accumulated locally.
+            backward_passes_per_step=accumulate_grad_batches,
+        )
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        synchronize = getattr(optimizer, "synchronize", None)
+        if synchronize is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_synchronize() -> Any:
+            # The closure runs the last backward pass of this step; the averaged gradients must be
+            # in place before the precision plugin unscales or clips them and the optimizer steps.
+            result = closure()
+            synchronize()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_synchronize, model, **kwargs)
+
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is not None:
+            raise ValueError("Horovod cannot reduce over a sub-group of workers; leave `group` unset.")
+        hvd = self._hvd
+        return hvd.allreduce(tensor, op=_horovod_op(hvd, reduce_op))
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        if group is not None:
+            raise ValueError("Horovod cannot gather over a sub-group of workers; leave `group` unset.")
+        # Same shape as DDP's all_gather: (world_size, *tensor.shape).
+        with contextlib.nullcontext() if sync_grads else torch.no_grad():
+            return self._hvd.allgather(tensor.unsqueeze(0))
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self._hvd.broadcast_object(obj, root_rank=src)
+
+    def barrier(self, name: str | None = None) -> None:
+        if self._worker is None:
+            return
+        hvd = self._hvd
+        if hvd.is_initialized():
+            hvd.join(self.root_device.index if self.root_device.type == "cuda" else -1)
+
+    def teardown(self) -> None:
+        if self._exit_stack is not None:
+            self._exit_stack.close()
+            self._exit_stack = None
+        # Every worker finishes its last collective before any leaves.
+        self.barrier()
+        super().teardown()
+        if self._worker is not None and self.root_device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_exit_stack"] = None
+        return state
+
+
+def _horovod_op(hvd: Any, reduce_op: Any) -> Any:
+    name = getattr(reduce_op, "name", reduce_op)  # torch's ReduceOp.SUM, or a string
+    name = "mean" if name is None else str(name).lower()
+    ops = {"mean": hvd.Average, "avg": hvd.Average, "sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}
+    if name not in ops:
+        raise ValueError(f"HorovodRayStrategy cannot reduce with {reduce_op!r}; use one of {sorted(ops)}.")
+    return ops[name]
+
+
+def _retarget_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
+    """Point an LR scheduler at the Horovod optimizer that replaced the one it was built with.
+
+    Both share the same ``param_groups``, so the rates the scheduler sets already reach the new
+    optimizer; re-pointing keeps torch's "scheduler stepped before optimizer" check (which
+    watches ``optimizer.step``) from warning on every run.
+    """
+    scheduler.optimizer = optimizer
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def counted_step(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]  # what torch's own wrapper records
+        return step(*args, **kwargs)
+
+    counted_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = counted_step  # type: ignore[method-assign]
+
+
+if "horovod_ray" not in StrategyRegistry:
+    StrategyRegistry.register("horovod_ray", HorovodRayStrategy, description="Horovod on Ray actors (ray_lightning)")

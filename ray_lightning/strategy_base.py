@@ -1,0 +1,207 @@
+"""What every ray_lightning strategy shares, whatever moves the gradients (DDP or Horovod).
+
+:class:`RayWorkersMixin` goes before a Lightning strategy class in the bases
+(``class RayStrategy(RayWorkersMixin, DDPStrategy)``). It owns the description of the workers
+(:class:`~ray_lightning.resources.WorkerResources`), hands Lightning a
+:class:`~ray_lightning.launcher.RayLauncher` instead of a process launcher, keeps Lightning from
+choosing devices by the driver's hardware, and, inside a worker, answers rank and device
+questions from what the launcher decided (:meth:`RayWorkersMixin._attach_worker`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from pytorch_lightning.plugins.precision import MixedPrecision
+from pytorch_lightning.utilities.rank_zero import rank_zero_only, rank_zero_warn
+
+from ray_lightning.environment import RayEnvironment
+from ray_lightning.launcher import RayLauncher
+from ray_lightning.resources import WorkerResources
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+    from ray_lightning.accelerator import RayAccelerator
+    from ray_lightning.worker import WorkerContext
+
+_DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
+_DEFAULT_WORKER_START_TIMEOUT_S = 300.0
+
+
+def _timeout(name: str, value: float | None, env: str, default: float) -> float:
+    if value is None:
+        value = float(os.environ.get(env, default))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}.")
+    return float(value)
+
+
+class RayWorkersMixin:
+    """Workers on Ray actors for a Lightning ``ParallelStrategy`` subclass; see the module docstring."""
+
+    # How the workers meet: "torch" (a TCPStore opened by rank 0) or "horovod" (horovod.ray's
+    # Gloo rendezvous server, run by rank 0). Read by the launcher.
+    _rendezvous = "torch"
+    _accelerator: pl.accelerators.Accelerator | None
+    _cluster_environment: RayEnvironment | None
+
+    def _init_workers(
+        self,
+        resources: WorkerResources,
+        init_hook: Callable[[], Any] | None,
+        placement_timeout_s: float | None,
+        worker_start_timeout_s: float | None,
+    ) -> None:
+        """Validate and keep the worker description; call before the Lightning strategy's ``__init__``."""
+        if init_hook is not None and not callable(init_hook):
+            raise TypeError(f"init_hook must be a function taking no arguments, got {init_hook!r}.")
+        self.resources = resources
+        self.init_hook = init_hook
+        self.placement_timeout_s = _timeout(
+            "placement_timeout_s",
+            placement_timeout_s,
+            "RAY_LIGHTNING_PLACEMENT_TIMEOUT_S",
+            _DEFAULT_PLACEMENT_TIMEOUT_S,
+        )
+        self.worker_start_timeout_s = _timeout(
+            "worker_start_timeout_s",
+            worker_start_timeout_s,
+            "RAY_LIGHTNING_WORKER_START_TIMEOUT_S",
+            _DEFAULT_WORKER_START_TIMEOUT_S,
+        )
+        self._worker: WorkerContext | None = None
+        self._rendezvous_store: Any = None
+
+    @classmethod
+    def _accelerator_class(cls) -> type[RayAccelerator]:
+        from ray_lightning.accelerator import RayAccelerator
+
+        return RayAccelerator
+
+    # -- configuration seen on the driver --------------------------------------------------------
+
+    @property
+    def num_workers(self) -> int:
+        return self.resources.num_workers
+
+    @property
+    def use_gpu(self) -> bool:
+        return self.resources.use_gpu
+
+    @property
+    def accelerator(self) -> pl.accelerators.Accelerator | None:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: pl.accelerators.Accelerator | None) -> None:
+        # Lightning assigns the accelerator it chose from the driver's hardware; the workers'
+        # reserved GPUs decide instead.
+        self._accelerator = None if accelerator is None else self._accelerator_for_trainer(accelerator)
+
+    def _prepare_for_trainer(self, requested: Any) -> pl.accelerators.Accelerator:
+        """Called as a Trainer is built with this strategy: returns the accelerator it should use."""
+        accelerator = self._accelerator_for_trainer(requested)
+        # A strategy reused for another Trainer still holds what Lightning gave it last time, which
+        # Lightning would take as conflicting flags.
+        self._accelerator = None
+        self.parallel_devices = None
+        return accelerator
+
+    def _accelerator_for_trainer(self, requested: Any) -> pl.accelerators.Accelerator:
+        """What the Trainer should use when this strategy is given with ``accelerator=requested``."""
+        from ray_lightning.accelerator import RayAccelerator
+
+        if isinstance(requested, RayAccelerator):
+            if requested._strategy is not None and requested._strategy is not self:
+                raise ValueError(
+                    f"Pass either accelerator={type(requested).__name__}(...) or strategy="
+                    f"{type(self).__name__}(...), not both: each describes the workers to start."
+                )
+            return requested
+        name = requested if isinstance(requested, str) else type(requested).__name__
+        wants_gpu = name.lower() in ("gpu", "cuda", "cudaaccelerator")
+        wants_cpu = name.lower() in ("cpu", "cpuaccelerator")
+        if (wants_gpu and not self.use_gpu) or (wants_cpu and self.use_gpu):
+            rank_zero_warn(
+                f"Trainer(accelerator={requested!r}) is ignored: {type(self).__name__} trains on "
+                f"{'CUDA' if self.use_gpu else 'CPU'} because the workers reserve "
+                f"{self.resources.gpus:g} GPU each (use_gpu / resources_per_worker decide)."
+            )
+        return self._accelerator_class()._for_strategy(self)
+
+    @property
+    def cluster_environment(self) -> RayEnvironment | None:
+        return self._cluster_environment
+
+    @cluster_environment.setter
+    def cluster_environment(self, env: Any) -> None:
+        if env is not None and not isinstance(env, RayEnvironment):
+            raise ValueError(
+                f"{type(self).__name__} computes ranks from where Ray placed its workers; "
+                f"it cannot use {type(env).__name__}."
+            )
+        self._cluster_environment = env
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._worker is not None and self._worker.device_index is not None:
+            return torch.device("cuda", self._worker.device_index)
+        return torch.device("cpu")
+
+    @property
+    def num_processes(self) -> int:
+        if self._worker is not None and self._cluster_environment is not None:
+            return self._cluster_environment.local_world_size
+        return self.num_workers
+
+    @property
+    def num_nodes(self) -> int:
+        return self._worker.num_nodes if self._worker is not None else 1
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        # Ray decides how many nodes the workers span.
+        if num_nodes != 1:
+            rank_zero_warn(
+                f"Trainer(num_nodes={num_nodes}) is ignored: {type(self).__name__} places "
+                f"{self.resources.describe()} wherever the Ray cluster has room."
+            )
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def _configure_launcher(self) -> None:
+        self._launcher = RayLauncher(self)
+
+    # -- inside a worker ----------------------------------------------------------------------------
+
+    def _attach_worker(self, context: WorkerContext, rendezvous_store: Any) -> None:
+        """Called by the worker actor before training with its rank, device and rendezvous handle."""
+        self._worker = context
+        self._rendezvous_store = rendezvous_store
+        assert self._cluster_environment is not None
+        self._cluster_environment.configure(context.rank, context.world_size, context.main_address, context.main_port)
+        self.parallel_devices = [self.root_device] * context.rank.local_world_size
+        plugin = self.precision_plugin
+        if type(plugin) is MixedPrecision and plugin.device != self.root_device.type:
+            # Lightning built it for the driver's device; a GradScaler made where CUDA is absent is
+            # disabled for good, so build it anew for the device this worker trains on.
+            self.precision_plugin = MixedPrecision(plugin.precision, self.root_device.type)
+
+    def set_world_ranks(self) -> None:
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_rendezvous_store"] = None  # a TCPStore cannot be pickled; workers get theirs on attach
+        return state
