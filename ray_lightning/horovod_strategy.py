@@ -225,14 +225,16 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         if group is not None:
             raise ValueError("Horovod cannot reduce over a sub-group of workers; leave `group` unset.")
         hvd = self._hvd
-        return hvd.allreduce(tensor, op=_horovod_op(hvd, reduce_op))
+        op = _horovod_op(hvd, reduce_op)
+        with torch.inference_mode(False):
+            return hvd.allreduce(_writable(tensor), op=op)
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         if group is not None:
             raise ValueError("Horovod cannot gather over a sub-group of workers; leave `group` unset.")
         # Same shape as DDP's all_gather: (world_size, *tensor.shape).
-        with contextlib.nullcontext() if sync_grads else torch.no_grad():
-            return self._hvd.allgather(tensor.unsqueeze(0))
+        with torch.inference_mode(False), contextlib.nullcontext() if sync_grads else torch.no_grad():
+            return self._hvd.allgather(_writable(tensor).unsqueeze(0))
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return self._hvd.broadcast_object(obj, root_rank=src)
@@ -258,6 +260,12 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         state = super().__getstate__()
         state["_exit_stack"] = None
         return state
+
+
+def _writable(tensor: Tensor) -> Tensor:
+    # Horovod fills its outputs from its background thread, which is outside Lightning's
+    # torch.inference_mode, where inference tensors cannot be written: hand it normal tensors.
+    return tensor.clone() if tensor.is_inference() else tensor
 
 
 def _horovod_op(hvd: Any, reduce_op: Any) -> Any:

@@ -164,3 +164,30 @@ def _backend() -> str | None:
     import torch.distributed as dist
 
     return dist.get_backend() if dist.is_initialized() else None
+
+
+class HorovodRanks(Recorder):
+    """Writes what Horovod itself reports in each worker: ``<name>-horovod-rank<r>.json``."""
+
+    def on_fit_start(self, trainer, pl_module):
+        import os
+
+        import horovod.torch as hvd
+        import ray
+
+        self._write(
+            trainer,
+            "horovod",
+            {
+                "global_rank": trainer.global_rank,
+                "hvd_rank": hvd.rank(),
+                "hvd_size": hvd.size(),
+                "hvd_local_rank": hvd.local_rank(),
+                "hvd_local_size": hvd.local_size(),
+                "hvd_cross_rank": hvd.cross_rank(),
+                "hvd_cross_size": hvd.cross_size(),
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "gloo_iface": os.environ.get("HOROVOD_GLOO_IFACE"),
+                "optimizer": type(trainer.optimizers[0]).__module__,
+            },
+        )

@@ -12,8 +12,8 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from ray.cluster_utils import Cluster
 
-from ray_lightning import RayStrategy
-from tests.models import BoringModel, Recorder, read_records
+from ray_lightning import HorovodRayStrategy, RayStrategy
+from tests.models import BoringModel, HorovodRanks, Recorder, read_records
 from tests.test_training import PrepareDataModule
 
 
@@ -89,3 +89,38 @@ def test_placement_spreads_when_one_node_is_not_enough(two_node_cluster, tmp_pat
         per_node[s["node_id"]].append((s["global_rank"], s["local_rank"], s["node_rank"]))
     assert sorted(len(v) for v in per_node.values()) == [1, 2]
     assert sorted(g for v in per_node.values() for g, _, _ in v) == [0, 1, 2]
+
+
+def test_horovod_hosts_and_slots_put_each_hosts_workers_on_one_node(two_node_cluster, tmp_path):
+    pytest.importorskip("horovod.torch", reason="Horovod is not installed: `python3 dev.py test` builds it")
+    strategy = HorovodRayStrategy(num_hosts=2, num_slots=2, resources_per_worker={"CPU": 1, "worker_slot": 1})
+    trainer = pl.Trainer(
+        max_epochs=1, strategy=strategy, callbacks=[HorovodRanks(tmp_path)], logger=False, enable_progress_bar=False
+    )
+    model = BoringModel()
+    before = model.layer.weight.clone()
+    trainer.fit(model)
+
+    assert not torch.equal(before, model.layer.weight)
+    records = read_records(tmp_path, "fit", "horovod")
+    assert [(r["global_rank"], r["hvd_rank"], r["hvd_size"]) for r in records] == [(i, i, 4) for i in range(4)]
+    nodes = [r["node_id"] for r in records]
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3], "a host's slots did not land on one node"
+    assert ray.get_runtime_context().get_node_id() not in nodes
+    # Horovod's own view of the layout: local ranks within a host, cross ranks across hosts.
+    layout = [(r["hvd_local_rank"], r["hvd_local_size"], r["hvd_cross_rank"], r["hvd_cross_size"]) for r in records]
+    assert layout == [(0, 2, 0, 2), (1, 2, 0, 2), (0, 2, 1, 2), (1, 2, 1, 2)]
+
+
+def test_horovod_with_uneven_nodes(two_node_cluster, tmp_path):
+    pytest.importorskip("horovod.torch", reason="Horovod is not installed: `python3 dev.py test` builds it")
+    # 3 packed workers on nodes with 2 slots each: two on one node, one on the other.
+    strategy = HorovodRayStrategy(num_workers=3, resources_per_worker={"CPU": 1, "worker_slot": 1})
+    trainer = pl.Trainer(
+        max_epochs=1, strategy=strategy, callbacks=[HorovodRanks(tmp_path)], logger=False, enable_progress_bar=False
+    )
+    trainer.fit(BoringModel())
+    records = read_records(tmp_path, "fit", "horovod")
+    assert [r["hvd_rank"] for r in records] == [0, 1, 2]
+    assert sorted(r["hvd_local_size"] for r in records) == [1, 2, 2]
+    assert "val_loss" in trainer.callback_metrics

@@ -1,0 +1,288 @@
+"""HorovodRayStrategy / HorovodRayAccelerator: real Horovod over Gloo between real Ray actors."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import GradientAccumulationScheduler, ModelCheckpoint
+
+from examples.train_digits import DigitsClassifier, DigitsDataModule
+from ray_lightning import (
+    ClusterResourceError,
+    HorovodRayAccelerator,
+    HorovodRayStrategy,
+    RayAccelerator,
+    RayStrategy,
+    RayWorkerError,
+)
+from ray_lightning.horovod_strategy import worker_layout
+from tests.conftest import alive_worker_actors, wait_for
+from tests.models import BoringModel, HorovodRanks, IndexedDataset, read_records
+from tests.test_training import FailingModel
+
+pytest.importorskip("horovod.torch", reason="Horovod is not installed: `python3 dev.py test` builds it")
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def _trainer(**kwargs) -> pl.Trainer:
+    defaults = dict(max_epochs=2, enable_progress_bar=False, logger=False, enable_model_summary=False)
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)
+
+
+# -- arguments (no Ray needed) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((None, None, None), (1, None)),
+        ((3, None, None), (3, None)),
+        ((None, 2, 4), (8, 2)),
+        ((None, 2, None), (2, 2)),
+        ((None, None, 3), (3, 1)),
+    ],
+)
+def test_worker_layout(args, expected):
+    assert worker_layout(*args) == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"num_workers": 4, "num_hosts": 2}, ValueError, "either num_workers .* or num_hosts/num_slots"),
+        ({"num_hosts": 0, "num_slots": 2}, ValueError, "num_hosts must be >= 1"),
+        ({"num_slots": 1.5}, TypeError, "num_slots must be an int"),
+        ({"num_workers": 2, "resources_per_worker": {"gpu": 1}}, ValueError, "Ray calls this resource 'GPU'"),
+        ({"num_workers": 2, "init_hook": "not callable"}, TypeError, "init_hook"),
+    ],
+)
+def test_bad_arguments_fail_in_the_constructor(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        HorovodRayStrategy(**kwargs)
+    with pytest.raises(error, match=match):
+        HorovodRayAccelerator(**kwargs)
+
+
+def test_hosts_and_slots_become_one_bundle_per_host_on_different_nodes():
+    strategy = HorovodRayStrategy(num_hosts=2, num_slots=3, resources_per_worker={"CPU": 2, "custom_accel": 1})
+    assert (strategy.num_workers, strategy.num_hosts, strategy.num_slots) == (6, 2, 3)
+    bundles, placement = strategy.resources.placement()
+    assert placement == "STRICT_SPREAD"
+    assert bundles == [{"CPU": 6.0, "custom_accel": 3.0}] * 2
+    assert [strategy.resources.bundle_index(i) for i in range(6)] == [0, 0, 0, 1, 1, 1]
+    assert HorovodRayStrategy(num_workers=3).resources.placement()[1] == "PACK"
+
+
+def test_missing_horovod_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "horovod.torch", None)  # makes `import horovod.torch` fail
+    with pytest.raises(ImportError, match=r"dev\.py test.*ray_lightning\[horovod\]"):
+        HorovodRayStrategy(num_workers=2)
+    with pytest.raises(ImportError, match="Installing Horovod"):
+        pl.Trainer(strategy="horovod_ray", logger=False)
+    # The rest of the package does not need Horovod.
+    assert RayStrategy(num_workers=2).num_workers == 2
+
+
+def test_accelerator_forms_resolve_to_the_horovod_strategy():
+    accelerator = HorovodRayAccelerator(num_hosts=1, num_slots=2, cpus_per_worker=2)
+    trainer = pl.Trainer(accelerator=accelerator, logger=False)
+    assert isinstance(trainer.strategy, HorovodRayStrategy)
+    assert trainer.accelerator is accelerator
+    assert trainer.strategy.resources.cpus == 2 and trainer.strategy.num_workers == 2
+
+    by_name = pl.Trainer(strategy="horovod_ray", logger=False)
+    assert isinstance(by_name.strategy, HorovodRayStrategy)
+    assert isinstance(by_name.accelerator, HorovodRayAccelerator)
+    assert isinstance(pl.Trainer(accelerator="horovod_ray", logger=False).strategy, HorovodRayStrategy)
+
+    with pytest.raises(ValueError, match="either accelerator=HorovodRayAccelerator.* or strategy=RayStrategy"):
+        pl.Trainer(accelerator=HorovodRayAccelerator(num_workers=2), strategy=RayStrategy(num_workers=2))
+    with pytest.raises(ValueError, match="HorovodRayAccelerator brings its own HorovodRayStrategy"):
+        pl.Trainer(accelerator=HorovodRayAccelerator(num_workers=2), strategy="ddp")
+
+
+def test_hosts_the_cluster_does_not_have_fail_at_once():
+    # The session cluster is one node: two hosts can never be placed, so no waiting.
+    trainer = _trainer(strategy=HorovodRayStrategy(num_hosts=2, num_slots=1, placement_timeout_s=600))
+    with pytest.raises(ClusterResourceError, match="2 different nodes .* only 1 of the cluster's 1 node"):
+        trainer.fit(BoringModel())
+
+
+def test_gradient_accumulation_scheduler_is_refused_with_the_fix():
+    trainer = _trainer(
+        strategy=HorovodRayStrategy(num_workers=2), callbacks=[GradientAccumulationScheduler({0: 1, 1: 2})]
+    )
+    with pytest.raises(RayWorkerError, match=r"accumulate_grad_batches=N"):
+        trainer.fit(BoringModel())
+
+
+# -- training ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_fit_trains_with_horovod_and_brings_weights_and_metrics_back(num_workers, tmp_path):
+    model = BoringModel()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = _trainer(strategy=HorovodRayStrategy(num_workers=num_workers), callbacks=[HorovodRanks(tmp_path)])
+    trainer.fit(model)
+
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()), "weights did not change"
+    assert trainer.global_step == 2 * (64 // 8 // num_workers)
+    assert set(trainer.callback_metrics) >= {"train_loss", "val_loss"}
+    records = read_records(tmp_path, "fit", "horovod")
+    assert [(r["hvd_rank"], r["hvd_size"]) for r in records] == [(r, num_workers) for r in range(num_workers)]
+    assert {r["optimizer"] for r in records} == {"horovod.torch.optimizer"}, "optimizer not wrapped by Horovod"
+    assert all(r["gloo_iface"] for r in records), "Gloo interface not chosen from the node IP"
+
+
+def test_horovod_and_ddp_train_the_same_module_identically():
+    def run(strategy) -> dict:
+        torch.manual_seed(3)
+        model = BoringModel()
+        _trainer(max_epochs=3, strategy=strategy).fit(model)
+        return model.state_dict()
+
+    horovod = run(HorovodRayStrategy(num_workers=2))
+    ddp = run(RayStrategy(num_workers=2))
+    for k in ddp:
+        torch.testing.assert_close(horovod[k], ddp[k])
+
+
+def test_accelerator_form_reaches_the_same_accuracy_as_ray_accelerator():
+    def run(accelerator) -> float:
+        pl.seed_everything(7)
+        trainer = _trainer(max_epochs=6, accelerator=accelerator)
+        trainer.fit(DigitsClassifier(), datamodule=DigitsDataModule())
+        return float(trainer.callback_metrics["val_acc"])
+
+    horovod = run(HorovodRayAccelerator(num_workers=2, cpus_per_worker=1, use_gpu=False))
+    ddp = run(RayAccelerator(num_workers=2, cpus_per_worker=1, use_gpu=False))
+    assert horovod > 0.9, horovod
+    assert horovod == pytest.approx(ddp, abs=0.01)
+
+
+class ScheduledModel(BoringModel):
+    """SGD whose rate drops tenfold each epoch; logs the rate the optimizer really used."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9, weight_decay=0.01)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.1)]
+
+    def training_step(self, batch, batch_idx):
+        self.log("lr_used", self.trainer.optimizers[0].param_groups[0]["lr"])
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_accumulation_and_lr_schedule_match_ddp_and_a_larger_batch(accumulate):
+    """Accumulating 2 micro-batches of 4 equals one batch of 8; scheduler, momentum and decay apply as in DDP."""
+
+    def run(strategy, batch_size: int, accumulate_grad_batches: int) -> tuple[dict, pl.Trainer]:
+        torch.manual_seed(5)
+        model = ScheduledModel(batch_size=batch_size)
+        trainer = _trainer(max_epochs=3, strategy=strategy, accumulate_grad_batches=accumulate_grad_batches)
+        trainer.fit(model)
+        return model.state_dict(), trainer
+
+    horovod, trainer = run(HorovodRayStrategy(num_workers=2), 8 // accumulate, accumulate)
+    ddp_big_batch, ddp_trainer = run(RayStrategy(num_workers=2), 8, 1)
+
+    assert trainer.global_step == ddp_trainer.global_step == 3 * 4
+    assert float(trainer.callback_metrics["lr_used"]) == pytest.approx(0.05 * 0.1**2)
+    for k in ddp_big_batch:
+        torch.testing.assert_close(horovod[k], ddp_big_batch[k], rtol=1e-5, atol=1e-6)
+
+
+class CollectivesModel(BoringModel):
+    """Logs values that are only right if reduce / all_gather / broadcast really crossed the workers."""
+
+    def validation_step(self, batch, batch_idx):
+        rank = float(self.global_rank)
+        self.log("rank_mean", torch.tensor(rank * 10 + 1), sync_dist=True)
+        self.log("rank_sum", torch.tensor(rank + 1), sync_dist=True, reduce_fx="sum")
+        self.log("rank_max", torch.tensor(rank), sync_dist=True, reduce_fx="max")
+        return super().validation_step(batch, batch_idx)
+
+    def on_validation_epoch_end(self):
+        gathered = self.all_gather(torch.tensor([float(self.global_rank)]))
+        self.log("gathered_rows", float(gathered.shape[0]), rank_zero_only=True)
+        self.log("gathered_sum", gathered.sum(), rank_zero_only=True)
+        self.log("broadcast_from_1", float(self.trainer.strategy.broadcast(self.global_rank + 100, src=1)))
+        stop_everywhere = self.trainer.strategy.reduce_boolean_decision(self.global_rank == 1, all=False)
+        self.log("any_rank_is_1", float(stop_everywhere))
+
+
+@pytest.mark.parametrize("strategy_class", [HorovodRayStrategy, RayStrategy])
+def test_sync_dist_all_gather_and_broadcast_cross_the_workers(strategy_class):
+    trainer = _trainer(max_epochs=1, strategy=strategy_class(num_workers=2))
+    metrics = trainer.validate(CollectivesModel())[0]
+    # 2 ranks x 4 validation batches of 8: rank 0 logs 1, rank 1 logs 11.
+    assert metrics["rank_mean"] == pytest.approx(6.0)
+    assert metrics["rank_sum"] == pytest.approx(4 * 1 + 4 * 2)
+    assert metrics["rank_max"] == pytest.approx(1.0)
+    assert metrics["gathered_rows"] == 2 and metrics["gathered_sum"] == pytest.approx(1.0)
+    assert metrics["broadcast_from_1"] == 101
+    assert metrics["any_rank_is_1"] == 1.0
+
+
+def test_best_checkpoint_loads_and_resumes(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", save_last=True)
+    trainer = _trainer(max_epochs=3, strategy=HorovodRayStrategy(num_workers=2), callbacks=[checkpoint])
+    model = ScheduledModel(lr=0.02)
+    trainer.fit(model)
+
+    restored = ScheduledModel.load_from_checkpoint(checkpoint.best_model_path)
+    assert restored.hparams.lr == 0.02
+    last = torch.load(checkpoint.last_model_path, weights_only=False)
+    torch.testing.assert_close(model.layer.weight, last["state_dict"]["layer.weight"])
+    assert last["optimizer_states"][0]["state"], "Horovod optimizer state was not saved"
+
+    resumed = _trainer(max_epochs=5, strategy=HorovodRayStrategy(num_workers=2))
+    resumed.fit(ScheduledModel(lr=0.02), ckpt_path=checkpoint.last_model_path)
+    assert resumed.current_epoch == 5
+    assert resumed.global_step == last["global_step"] + 2 * 4
+    # The schedule went on from the checkpoint: epoch 4 ran at 0.02 * 0.1**4.
+    assert float(resumed.callback_metrics["lr_used"]) == pytest.approx(0.02 * 0.1**4)
+
+
+def test_predict_returns_every_rank_in_dataset_order():
+    model = BoringModel(size=61)
+    predictions = _trainer(strategy=HorovodRayStrategy(num_workers=2)).predict(model)
+    assert torch.cat([b["index"] for b in predictions]).tolist() == list(range(61))
+    with torch.no_grad():
+        expected = model(IndexedDataset(61, 8, seed=3).x)
+    torch.testing.assert_close(torch.cat([b["pred"] for b in predictions]), expected)
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_failing_worker_surfaces_with_its_rank_then_next_fit_works(how):
+    trainer = _trainer(max_epochs=1, strategy=HorovodRayStrategy(num_workers=2))
+    with pytest.raises(RayWorkerError) as info:
+        trainer.fit(FailingModel(fail_rank=1, how=how))
+    assert info.value.rank == 1
+    if how == "raise":
+        assert "ValueError: boom on purpose in rank 1" in str(info.value)
+    else:
+        assert "died" in str(info.value)
+    wait_for(lambda: not alive_worker_actors(), 30, "the failed fit's actors to be gone")
+
+    model = BoringModel()
+    before = model.layer.weight.clone()
+    _trainer(max_epochs=1, strategy=HorovodRayStrategy(num_workers=2)).fit(model)
+    assert not torch.equal(before, model.layer.weight)
+
+
+def test_repeated_fits_with_one_strategy_continue_training_and_leave_no_actors():
+    strategy = HorovodRayStrategy(num_workers=2)
+    model = BoringModel()
+    losses = []
+    for _ in range(3):
+        trainer = _trainer(max_epochs=1, strategy=strategy)
+        trainer.fit(model)
+        losses.append(trainer.test(model)[0]["test_loss"])
+        wait_for(lambda: not alive_worker_actors(), 30, "this round's actors to be gone")
+    assert losses[2] < losses[0], "training did not continue from the driver's weights"
