@@ -4,12 +4,14 @@
     python3 dev.py example   # train the main example on 2 Ray workers, print the metrics that came back
     python3 dev.py test      # run the whole test suite (extra arguments go to pytest)
 
+Extra arguments go to the example script or to pytest (`python3 dev.py example --horovod`).
+
 Each creates `.venv/` in the checkout on first use, installs what it needs into it, and reuses it
 afterwards. torch is installed as the CPU build unless an NVIDIA GPU is visible (`nvidia-smi`).
 
-`test` also installs Horovod (for HorovodRayStrategy). Horovod 0.28.1, its last release, does not
-build against torch >= 2.1 as released (it compiles as C++14; torch's headers need C++17), so this
-builds its sdist once with that one-line fix and keeps the wheel in a per-machine cache
+`test` (and `example --horovod`) also installs Horovod (for HorovodRayStrategy). Horovod 0.28.1,
+its last release, does not build against torch >= 2.1 as released (it compiles as C++14; torch's
+headers need C++17), so this builds its sdist once with that one-line fix and keeps the wheel in a per-machine cache
 (`$RAY_LIGHTNING_WHEEL_CACHE`, default `~/.cache/ray_lightning/wheels`): later venvs, clones and
 CI runs on the machine install the cached wheel in seconds. The first build takes about 5 minutes.
 """
@@ -166,7 +168,7 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     ensure_venv()
-    if argv[0] == "test":
+    if argv[0] == "test" or "--horovod" in argv:
         ensure_horovod()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if argv[0] == "example":

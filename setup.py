@@ -2,7 +2,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="ray_lightning",
-    version="0.4.0",
+    version="0.5.0",
     description="Distributed PyTorch Lightning training on Ray: DDP between Ray actors, from a laptop to a cluster.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
@@ -15,6 +15,9 @@ setup(
         "ray[default,tune]>=2.60,<2.61",
     ],
     extras_require={
+        # Horovod 0.28.1 must be built with C++17 to compile against torch >= 2.1 (README:
+        # "Installing Horovod"); where it is already installed this extra only checks the version.
+        "horovod": ["horovod>=0.28.1"],
         "test": [
             "pytest>=8",
             "pytest-timeout",

@@ -1,6 +1,7 @@
-"""Train a digits classifier on 2 Ray workers with DDP and print the metrics that came back.
+"""Train a digits classifier on 2 Ray workers with DDP (or Horovod) and print the metrics that came back.
 
     python3 dev.py example                       # via the project's command (sets up .venv)
+    python3 dev.py example --horovod             # the same with HorovodRayAccelerator (builds Horovod once)
     python examples/train_digits.py --num-workers 4 --max-epochs 10
     RAY_ADDRESS=auto python examples/train_digits.py   # on a running Ray cluster
 
@@ -20,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from ray_lightning import RayAccelerator, RayStrategy
+from ray_lightning import HorovodRayAccelerator, RayAccelerator, RayStrategy
 
 
 class DigitsDataModule(pl.LightningDataModule):
@@ -80,17 +81,20 @@ def main() -> None:
         action="store_true",
         help="use Trainer(accelerator=RayAccelerator(...)) instead of strategy=RayStrategy(...)",
     )
+    parser.add_argument("--horovod", action="store_true", help="train with Horovod instead of DDP")
     args = parser.parse_args()
 
     pl.seed_everything(0)
     model = DigitsClassifier()
     checkpoint = ModelCheckpoint(monitor="val_acc", mode="max")
-    if args.accelerator_form:
+    if args.accelerator_form or args.horovod:
+        accelerator_class = HorovodRayAccelerator if args.horovod else RayAccelerator
         ray_kwargs = dict(
-            accelerator=RayAccelerator(num_workers=args.num_workers, cpus_per_worker=1, use_gpu=args.use_gpu)
+            accelerator=accelerator_class(num_workers=args.num_workers, cpus_per_worker=1, use_gpu=args.use_gpu)
         )
     else:
         ray_kwargs = dict(strategy=RayStrategy(num_workers=args.num_workers, use_gpu=args.use_gpu))
+    print(f"Training with {type(ray_kwargs.get('strategy') or ray_kwargs['accelerator']).__name__}")
     trainer = pl.Trainer(max_epochs=args.max_epochs, callbacks=[checkpoint], **ray_kwargs)
     trainer.fit(model, datamodule=DigitsDataModule())
 

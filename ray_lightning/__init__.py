@@ -21,7 +21,7 @@ from ray_lightning.launcher import RayWorkerError
 from ray_lightning.resources import ClusterResourceError
 from ray_lightning.strategy import RayStrategy
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 accelerator_hook.install()
 

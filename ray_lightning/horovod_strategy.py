@@ -131,6 +131,14 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
     def num_slots(self) -> int | None:
         return self.resources.workers_per_host if self.resources.num_hosts else None
 
+    def _check_trainer(self, trainer: pl.Trainer) -> None:
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise ValueError(
+                "HorovodRayStrategy needs one accumulate_grad_batches for the whole run (Horovod fixes how many "
+                "backward passes make a step when it wraps the optimizer); GradientAccumulationScheduler "
+                "changes it between epochs. Use Trainer(accumulate_grad_batches=N)."
+            )
+
     # -- inside a worker ----------------------------------------------------------------------------
 
     @property
@@ -159,12 +167,6 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         hvd = self._hvd
-        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
-            raise ValueError(
-                "HorovodRayStrategy needs one accumulate_grad_batches for the whole run (Horovod fixes how many "
-                "backward passes make a step when it wraps the optimizer); GradientAccumulationScheduler "
-                "changes it between epochs. Use Trainer(accumulate_grad_batches=N)."
-            )
         module = self.lightning_module
         assert module is not None
         hvd.broadcast_parameters(module.state_dict(), root_rank=0)

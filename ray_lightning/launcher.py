@@ -87,6 +87,8 @@ class RayLauncher(_Launcher):
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         strategy = self._strategy
         request = strategy.resources
+        if trainer is not None:
+            strategy._check_trainer(trainer)
         ensure_ray_initialized()
         check_cluster_can_hold(request, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
         if trainer is not None:

@@ -183,6 +183,9 @@ class RayWorkersMixin:
     def _configure_launcher(self) -> None:
         self._launcher = RayLauncher(self)
 
+    def _check_trainer(self, trainer: pl.Trainer) -> None:
+        """Refuse, on the driver and before any worker starts, a Trainer this strategy cannot run."""
+
     # -- inside a worker ----------------------------------------------------------------------------
 
     def _attach_worker(self, context: WorkerContext, rendezvous_store: Any) -> None:

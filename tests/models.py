@@ -167,7 +167,8 @@ def _backend() -> str | None:
 
 
 class HorovodRanks(Recorder):
-    """Writes what Horovod itself reports in each worker: ``<name>-horovod-rank<r>.json``."""
+    """Writes what Horovod itself reports in each worker (``<name>-horovod-rank<r>.json``), and the
+    samplers and indices each rank trained on as :class:`Recorder` does (``<name>-end-...``)."""
 
     def on_fit_start(self, trainer, pl_module):
         import os

@@ -63,3 +63,14 @@ def test_two_workers_sharing_one_gpu_use_gloo(tmp_path):
     starts = _fit(tmp_path, RayStrategy(num_workers=2, resources_per_worker={"GPU": 0.5}))
     assert {s["device"] for s in starts} == {"cuda:0"}
     assert {s["backend"] for s in starts} == {"gloo"}
+
+
+def test_horovod_worker_trains_on_cuda(tmp_path):
+    hvd = pytest.importorskip("horovod.torch", reason="Horovod is not installed")
+    if not hvd.nccl_built():
+        pytest.skip("this Horovod was built without NCCL (HOROVOD_GPU_OPERATIONS=NCCL); it cannot reduce CUDA tensors")
+    from ray_lightning import HorovodRayStrategy
+
+    (start,) = _fit(tmp_path, HorovodRayStrategy(num_workers=1, use_gpu=True))
+    assert start["device"] == "cuda:0"
+    assert start["resources"]["GPU"] == 1.0

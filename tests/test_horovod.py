@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -77,6 +80,35 @@ def test_hosts_and_slots_become_one_bundle_per_host_on_different_nodes():
     assert HorovodRayStrategy(num_workers=3).resources.placement()[1] == "PACK"
 
 
+def test_ray_lightning_imports_without_horovod():
+    code = (
+        "import sys; sys.modules['horovod'] = None\n"  # as if Horovod were not installed
+        "import ray_lightning\n"
+        "ray_lightning.RayStrategy(num_workers=2)\n"
+        "try:\n"
+        "    ray_lightning.HorovodRayStrategy(num_workers=2)\n"
+        "except ImportError as error:\n"
+        "    print('ImportError:', error)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ImportError: HorovodRayStrategy needs Horovod" in out.stdout
+    assert "dev.py test" in out.stdout
+
+
+def test_horovod_extra_is_satisfied_by_the_installed_horovod(tmp_path):
+    """`pip install ray_lightning[horovod]` where Horovod is installed must not try to build it again."""
+    root = Path(__file__).resolve().parents[1]
+    report = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation", "--quiet"]
+    out = subprocess.run(
+        [*cmd, "--report", str(report), f"{root}[horovod]"], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    to_install = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
+    assert to_install == ["ray_lightning"], to_install
+
+
 def test_missing_horovod_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "horovod.torch", None)  # makes `import horovod.torch` fail
     with pytest.raises(ImportError, match=r"dev\.py test.*ray_lightning\[horovod\]"):
@@ -112,12 +144,13 @@ def test_hosts_the_cluster_does_not_have_fail_at_once():
         trainer.fit(BoringModel())
 
 
-def test_gradient_accumulation_scheduler_is_refused_with_the_fix():
+def test_gradient_accumulation_scheduler_is_refused_before_launch():
     trainer = _trainer(
         strategy=HorovodRayStrategy(num_workers=2), callbacks=[GradientAccumulationScheduler({0: 1, 1: 2})]
     )
-    with pytest.raises(RayWorkerError, match=r"accumulate_grad_batches=N"):
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=N"):
         trainer.fit(BoringModel())
+    assert not alive_worker_actors()
 
 
 # -- training ------------------------------------------------------------------------------------
@@ -137,6 +170,14 @@ def test_fit_trains_with_horovod_and_brings_weights_and_metrics_back(num_workers
     assert [(r["hvd_rank"], r["hvd_size"]) for r in records] == [(r, num_workers) for r in range(num_workers)]
     assert {r["optimizer"] for r in records} == {"horovod.torch.optimizer"}, "optimizer not wrapped by Horovod"
     assert all(r["gloo_iface"] for r in records), "Gloo interface not chosen from the node IP"
+    # Each rank's DistributedSampler follows its Horovod rank: disjoint shares covering the data.
+    ends = read_records(tmp_path, "fit", "end")
+    assert [(e["sampler"], e["num_replicas"], e["rank"]) for e in ends] == [
+        ("DistributedSampler", num_workers, r) for r in range(num_workers)
+    ]
+    first_epoch = [set(e["indices"][0]) for e in ends]
+    assert set().union(*first_epoch) == set(range(64))
+    assert sum(len(s) for s in first_epoch) == 64
 
 
 def test_horovod_and_ddp_train_the_same_module_identically():
