@@ -136,7 +136,7 @@ class RayAccelerator(Accelerator):
         accelerator_registry.register("ray", cls, description="DDP on Ray actors (ray_lightning)")
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self._strategy_kwargs.items())
+        args = ", ".join(f"{k}={v!r}" for k, v in self._strategy_kwargs.items() if v is not None)
         return f"{type(self).__name__}({args})"
 
 

@@ -116,6 +116,7 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         self._init_workers(resources, init_hook, placement_timeout_s, worker_start_timeout_s)
         super().__init__(cluster_environment=RayEnvironment(workers))
         self._exit_stack: contextlib.ExitStack | None = None
+        self._failed = False
 
     @classmethod
     def _accelerator_class(cls) -> type[RayAccelerator]:
@@ -171,12 +172,15 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         assert module is not None
         hvd.broadcast_parameters(module.state_dict(), root_rank=0)
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        for optimizer in optimizers:
+        wrapped = [self._wrap(optimizer, hvd, trainer.accumulate_grad_batches) for optimizer in optimizers]
+        for old, new in zip(optimizers, wrapped):
+            state = old.state_dict()
             # Horovod initialises an empty state with a zero-gradient step, which moves weights
             # under weight decay; an empty state is the same everywhere, so only a real one is sent.
-            if optimizer.state_dict()["state"]:
-                hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-        wrapped = [self._wrap(optimizer, hvd, trainer.accumulate_grad_batches) for optimizer in optimizers]
+            if state["state"]:
+                if new is not old:  # Horovod's wrapper is a new optimizer over the same param_groups
+                    new.load_state_dict(state)
+                hvd.broadcast_optimizer_state(new, root_rank=0)
         for config in self.lr_scheduler_configs:
             for old, new in zip(optimizers, wrapped):
                 if getattr(config.scheduler, "optimizer", None) is old:
@@ -248,12 +252,17 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         if hvd.is_initialized():
             hvd.join(self.root_device.index if self.root_device.type == "cuda" else -1)
 
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+
     def teardown(self) -> None:
         if self._exit_stack is not None:
             self._exit_stack.close()
             self._exit_stack = None
-        # Every worker finishes its last collective before any leaves.
-        self.barrier()
+        # Every worker finishes its last collective before any leaves; but a failed worker must not
+        # join, since hvd.join lets the others train on without it and would hide the failure.
+        if not self._failed:
+            self.barrier()
         super().teardown()
         if self._worker is not None and self.root_device.type == "cuda":
             torch.cuda.empty_cache()

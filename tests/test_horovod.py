@@ -270,6 +270,34 @@ def test_sync_dist_all_gather_and_broadcast_cross_the_workers(strategy_class):
     assert metrics["any_rank_is_1"] == 1.0
 
 
+class PreSteppedOptimizer(BoringModel):
+    """Its optimizer already has momentum when training starts, and it differs between ranks."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        for p in self.parameters():
+            p.grad = torch.full_like(p, float(self.global_rank + 1))
+        optimizer.step()
+        optimizer.zero_grad()
+        return optimizer
+
+
+class FinalWeights(pl.Callback):
+    def __init__(self, directory) -> None:
+        self.directory = str(directory)
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(pl_module.state_dict(), f"{self.directory}/weights-rank{trainer.global_rank}.pt")
+
+
+def test_parameters_and_existing_optimizer_state_come_from_rank_zero(tmp_path):
+    trainer = _trainer(max_epochs=1, strategy=HorovodRayStrategy(num_workers=2), callbacks=[FinalWeights(tmp_path)])
+    trainer.fit(PreSteppedOptimizer())
+    rank0, rank1 = (torch.load(tmp_path / f"weights-rank{r}.pt") for r in (0, 1))
+    for k in rank0:
+        torch.testing.assert_close(rank0[k], rank1[k], msg=f"ranks diverged in {k}")
+
+
 def test_best_checkpoint_loads_and_resumes(tmp_path):
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", save_last=True)
     trainer = _trainer(max_epochs=3, strategy=HorovodRayStrategy(num_workers=2), callbacks=[checkpoint])
@@ -315,6 +343,24 @@ def test_failing_worker_surfaces_with_its_rank_then_next_fit_works(how):
     before = model.layer.weight.clone()
     _trainer(max_epochs=1, strategy=HorovodRayStrategy(num_workers=2)).fit(model)
     assert not torch.equal(before, model.layer.weight)
+
+
+class FinishMarker(pl.Callback):
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def on_train_end(self, trainer, pl_module):
+        open(f"{self.path}-rank{trainer.global_rank}", "w").close()
+
+
+def test_failure_surfaces_while_the_other_workers_still_train(tmp_path):
+    """A failing rank must not wait for its peers to finish (hvd.join would let them train on without it)."""
+    trainer = _trainer(
+        max_epochs=2000, strategy=HorovodRayStrategy(num_workers=2), callbacks=[FinishMarker(tmp_path / "done")]
+    )
+    with pytest.raises(RayWorkerError, match="boom on purpose in rank 1"):
+        trainer.fit(FailingModel(fail_rank=1, how="raise"))
+    assert not list(tmp_path.glob("done-*")), "the failure was only reported after rank 0 trained to the end"
 
 
 def test_repeated_fits_with_one_strategy_continue_training_and_leave_no_actors():
