@@ -4,11 +4,12 @@ This is what Lightning calls instead of re-running ``sys.argv`` (``ddp``) or for
 For every ``fit``/``validate``/``test``/``predict`` it
 
 1. connects to Ray (a local one is started if none is running),
-2. checks that the cluster can hold the request and reserves it as one placement group, waiting at
-   most ``placement_timeout_s``,
+2. checks that the cluster can hold the request and reserves it as one placement group (a bundle
+   per worker, or per host with ``num_hosts``), waiting at most ``placement_timeout_s``,
 3. puts the Trainer, the module and the arguments into the object store once,
-4. starts one :class:`~ray_lightning.worker.RayWorker` per bundle, learns where each landed and
-   assigns ranks and GPUs (:mod:`ray_lightning.environment`),
+4. starts one :class:`~ray_lightning.worker.RayWorker` per worker in those bundles, learns where
+   each landed and assigns ranks and GPUs (:mod:`ray_lightning.environment`); rank 0 opens the
+   rendezvous the strategy asks for (a TCPStore for DDP, Horovod's Gloo rendezvous for Horovod),
 5. waits for all of them without polling; the first failure kills the group and is raised with
    its rank and traceback,
 6. copies rank 0's results onto the driver's Trainer (:mod:`ray_lightning.results`).
