@@ -32,9 +32,15 @@ from pytorch_lightning.strategies.launchers.launcher import _Launcher
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.placement_group import (
+    get_current_placement_group,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ray_lightning.driver_channel import DriverChannel, needs_channel
 from ray_lightning.environment import WorkerRank, assign_cuda_devices, assign_ranks, shares_a_gpu
 from ray_lightning.resources import (
     ClusterResourceError,
@@ -91,7 +97,9 @@ class RayLauncher(_Launcher):
         if trainer is not None:
             strategy._check_trainer(trainer)
         ensure_ray_initialized()
-        check_cluster_can_hold(request, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+        enclosing = get_current_placement_group()
+        if enclosing is None:
+            check_cluster_can_hold(request, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
         if trainer is not None:
             for logger in trainer.loggers:
                 # Fix the version (e.g. lightning_logs/version_3) here, so rank 0 writes where
@@ -99,14 +107,22 @@ class RayLauncher(_Launcher):
                 _ = logger.version
         payload = _put_payload(trainer, function, args, kwargs)
 
-        group = _WorkerGroup.start(request, strategy.placement_timeout_s)
+        if enclosing is not None:
+            group = _WorkerGroup.start_in(enclosing, request)
+        else:
+            group = _WorkerGroup.start(request, strategy.placement_timeout_s)
         self._group = group
+        channel = DriverChannel() if trainer is not None and needs_channel(trainer.callbacks) else None
         try:
             infos = group.node_infos(strategy.worker_start_timeout_s)
-            outputs = group.run(payload, self._contexts(group, infos))
+            outputs = group.run(payload, self._contexts(group, infos, channel), channel)
+            if channel is not None:
+                channel.run_remaining()
         finally:
             self._group = None
             group.shutdown()
+            if channel is not None:
+                channel.close()
 
         rank_zero = next(o for o in outputs if o is not None and o.trainer_state is not None)
         if trainer is None:
@@ -122,7 +138,9 @@ class RayLauncher(_Launcher):
             return merge_predictions(per_rank, rank_zero.num_predict_dataloaders)
         return rank_zero.results
 
-    def _contexts(self, group: _WorkerGroup, infos: list[NodeInfo]) -> list[WorkerContext]:
+    def _contexts(
+        self, group: _WorkerGroup, infos: list[NodeInfo], channel: DriverChannel | None = None
+    ) -> list[WorkerContext]:
         """Each worker's rank, device and rendezvous, from where the actors landed."""
         node_ids = [i.node_id for i in infos]
         gpu_ids = [i.gpu_ids for i in infos]
@@ -162,6 +180,7 @@ class RayLauncher(_Launcher):
                 env_vars={**env, **rank_env[rank.global_rank]},
                 driver_sys_path=tuple(p for p in sys.path if p),
                 torch_flags=torch_flags,
+                driver_queue=channel.queue if channel is not None else None,
             )
             for rank, info, (visible, index) in zip(ranks, infos, devices)
         ]
@@ -240,11 +259,40 @@ def _deepest_unpicklable(obj: Any, path: str, depth: int) -> str | None:
 class _WorkerGroup:
     """The placement group and the actors of one launch."""
 
-    def __init__(self, pg: Any, actors: list[Any], ranks: list[WorkerRank]) -> None:
+    def __init__(self, pg: Any, actors: list[Any], ranks: list[WorkerRank], owns_pg: bool = True) -> None:
         self.pg = pg
+        self.owns_pg = owns_pg
         self.actors = actors
         self.ranks = ranks
         self.infos: list[NodeInfo] = []
+
+    @classmethod
+    def start_in(cls, pg: Any, request: WorkerResources) -> _WorkerGroup:
+        """Start the workers in bundles of a placement group the caller already runs in (a Tune trial's).
+
+        Bundle 0 is the caller's own; the workers take the first later bundles that can each hold
+        one worker. The group does not own the placement group and leaves it in place.
+        """
+        if request.num_hosts:
+            raise ClusterResourceError(
+                "num_hosts/num_slots cannot be used inside a placement group (e.g. a Ray Tune trial), whose "
+                "bundles are already placed; use num_workers."
+            )
+        need = request.bundle()
+        specs = pg.bundle_specs
+        fitting = [i for i, spec in enumerate(specs) if i > 0 and all(spec.get(k, 0) >= v for k, v in need.items())]
+        if len(fitting) < request.num_workers:
+            reserved = ", ".join(describe_totals(spec) for spec in specs)
+            raise ClusterResourceError(
+                f"This fit runs inside a placement group (a Ray Tune trial's) that reserved [{reserved}]: "
+                f"bundle 0 for the trial itself and {len(fitting)} that can each hold a worker, but it needs "
+                f"{request.describe()}. Reserve them with resources_per_trial=ray_lightning.tune.get_tune_resources("
+                "num_workers=..., num_cpus_per_worker=..., use_gpu=..., resources_per_worker=...) "
+                "(or tune.with_resources(train_fn, get_tune_resources(...)))."
+            )
+        bundles = fitting[: request.num_workers]
+        bundle_nodes = placement_group_table(pg)["bundles_to_node_id"]
+        return cls._start_actors(pg, request, bundles, [bundle_nodes[b] for b in bundles], owns_pg=False)
 
     @classmethod
     def start(cls, request: WorkerResources, timeout_s: float) -> _WorkerGroup:
@@ -264,15 +312,23 @@ class _WorkerGroup:
         except BaseException:
             remove_placement_group(pg)
             raise
+        bundle_nodes = placement_group_table(pg)["bundles_to_node_id"]
+        bundles = [request.bundle_index(i) for i in range(request.num_workers)]
+        return cls._start_actors(pg, request, bundles, [bundle_nodes[b] for b in bundles], owns_pg=True)
+
+    @classmethod
+    def _start_actors(
+        cls, pg: Any, request: WorkerResources, bundles: list[int], nodes: list[str], owns_pg: bool
+    ) -> _WorkerGroup:
+        """One actor per worker in ``bundles`` (placed on ``nodes``)."""
         # Ranks follow the nodes the bundles were placed on, so each actor knows its rank from the
         # start (Ray prefixes its log lines with it).
-        bundle_nodes = placement_group_table(pg)["bundles_to_node_id"]
-        ranks = assign_ranks([bundle_nodes[request.bundle_index(i)] for i in range(request.num_workers)])
+        ranks = assign_ranks(nodes)
         remote = ray.remote(RayWorker)
-        group = cls(pg, [], ranks)
+        group = cls(pg, [], ranks, owns_pg)
         try:
-            for i, rank in enumerate(ranks):
-                strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=request.bundle_index(i))
+            for bundle, rank in zip(bundles, ranks):
+                strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
                 options = request.actor_options()
                 group.actors.append(remote.options(**options, scheduling_strategy=strategy).remote(rank.global_rank))
         except BaseException:
@@ -301,14 +357,24 @@ class _WorkerGroup:
         except RayActorError as error:
             raise RayWorkerError(f"A ray_lightning worker died while starting: {error}", rank=-1) from error
 
-    def run(self, payload: ray.ObjectRef, contexts: list[WorkerContext]) -> list[WorkerOutput | None]:
-        """Run every worker; return their outputs in actor order, or raise the first failure."""
+    def run(
+        self, payload: ray.ObjectRef, contexts: list[WorkerContext], channel: DriverChannel | None = None
+    ) -> list[WorkerOutput | None]:
+        """Run every worker; return their outputs in actor order, or raise the first failure.
+
+        Calls the workers send through ``channel`` run here as they arrive.
+        """
         refs = [actor.execute.remote([payload], ctx) for actor, ctx in zip(self.actors, contexts)]
         pending = {ref: i for i, ref in enumerate(refs)}
         outputs: list[WorkerOutput | None] = [None] * len(refs)
         while pending:
-            # Blocks until some worker finishes or fails: no polling, no timeout on training itself.
-            done, _ = ray.wait(list(pending), num_returns=1)
+            # Blocks until some worker finishes or fails, or sends a call: no polling, no timeout
+            # on training itself.
+            waiting = list(pending) if channel is None else [*pending, channel.next_call()]
+            done, _ = ray.wait(waiting, num_returns=1)
+            if channel is not None and channel.next_call() in done:
+                channel.run_next()
+                continue
             for ref in done:
                 i = pending.pop(ref)
                 try:
@@ -357,8 +423,9 @@ class _WorkerGroup:
         for actor in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
-        with contextlib.suppress(Exception):
-            remove_placement_group(self.pg)
+        if self.owns_pg:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.pg)
         self.actors = []
 
 

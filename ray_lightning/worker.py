@@ -39,6 +39,8 @@ class WorkerContext:
     driver_sys_path: tuple[str, ...] = ()
     # (deterministic algorithms, warn only, cudnn.benchmark) as Trainer(...) set them on the driver.
     torch_flags: tuple[bool, bool, bool] = (False, False, False)
+    # The queue of calls to run on the driver (ray_lightning.driver_channel), if the Trainer needs one.
+    driver_queue: Any = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class RayWorker:
         from pytorch_lightning.trainer.states import TrainerFn
 
         from ray_lightning import accelerator as accelerator_module
+        from ray_lightning import driver_channel
         from ray_lightning.results import PredictionRecorder, collect_worker_output
 
         _set_environment(context)
@@ -107,6 +110,7 @@ class RayWorker:
                 sys.path.append(path)
         trainer, function, args, kwargs = ray.get(payload[0])
         accelerator_module._IN_RAY_WORKER = True
+        driver_channel._worker_queue = context.driver_queue
 
         strategy = trainer.strategy
         strategy._attach_worker(context, self._store)
