@@ -71,6 +71,10 @@ class RayWorkerError(RuntimeError):
         super().__init__(message)
         self.rank = rank
 
+    def __reduce__(self) -> tuple:
+        # Tune copies and Ray pickles exceptions; keep the rank when they do.
+        return (type(self), (str(self), self.rank))
+
 
 def ensure_ray_initialized() -> None:
     """Use the Ray this process is connected to, else ``RAY_ADDRESS``'s cluster, else start a local one."""

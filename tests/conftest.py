@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import ray
@@ -11,6 +12,7 @@ import ray
 # More logical CPUs than this machine has: the tests start several 1-CPU workers at once.
 SESSION_CPUS = 8
 SESSION_RESOURCES = {"custom_accel": 4}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -18,7 +20,9 @@ def ray_local():
     """The local Ray shared by the tests: started on first use, re-started after a multi-node test."""
     if not ray.is_initialized() or "custom_accel" not in ray.cluster_resources():
         ray.shutdown()
-        ray.init(num_cpus=SESSION_CPUS, resources=SESSION_RESOURCES, include_dashboard=True)
+        # Tune's trial processes import the tests' modules by name, as a user's would import theirs.
+        runtime_env = {"env_vars": {"PYTHONPATH": str(ROOT)}}
+        ray.init(num_cpus=SESSION_CPUS, resources=SESSION_RESOURCES, include_dashboard=True, runtime_env=runtime_env)
     yield ray
 
 

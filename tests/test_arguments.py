@@ -112,3 +112,15 @@ def test_busy_cluster_fails_within_the_placement_timeout(ray_local):
         assert not alive_worker_actors()
     finally:
         remove_placement_group(blocker)
+
+
+def test_worker_error_survives_pickling_and_copying():
+    import copy
+    import pickle
+
+    from ray_lightning import RayWorkerError
+
+    error = RayWorkerError("ray_lightning worker rank 3 raised", rank=3)
+    for clone in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert isinstance(clone, RayWorkerError)
+        assert (str(clone), clone.rank) == (str(error), 3)

@@ -1,0 +1,279 @@
+"""ray_lightning.tune: real Ray Tune runs whose trials each train on several real Ray workers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+
+import pytest
+import pytorch_lightning as pl
+import ray
+import torch
+from ray import tune
+from ray.tune.schedulers import ASHAScheduler
+
+from ray_lightning import HorovodRayStrategy, RayStrategy
+from ray_lightning.tune import TuneReportCallback, TuneReportCheckpointCallback, get_tune_resources
+from tests.conftest import SESSION_CPUS, alive_worker_actors, wait_for
+from tests.models import BoringModel
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def _trainer(callbacks, strategy=None, **kwargs) -> pl.Trainer:
+    defaults = dict(
+        max_epochs=3,
+        strategy=strategy or RayStrategy(num_workers=2),
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)
+
+
+class EpochModel(BoringModel):
+    def validation_step(self, batch, batch_idx):
+        self.log("epoch_seen", float(self.current_epoch))
+        return super().validation_step(batch, batch_idx)
+
+
+# -- arguments (no Tune run) ----------------------------------------------------------------------
+
+
+def test_get_tune_resources_reserves_the_trial_and_each_worker():
+    plain = get_tune_resources(num_workers=3)
+    assert plain.bundles == [{"CPU": 1.0}] * 4
+    assert plain.strategy == "PACK"
+    mixed = get_tune_resources(
+        num_workers=2, num_cpus_per_worker=2, use_gpu=True, resources_per_worker={"GPU": 0.5, "custom_accel": 1}
+    )
+    assert mixed.bundles == [{"CPU": 1.0}] + [{"CPU": 2.0, "GPU": 0.5, "custom_accel": 1.0}] * 2
+    assert mixed.required_resources == {"CPU": 5.0, "GPU": 1.0, "custom_accel": 2.0}
+    with pytest.raises(ValueError, match="num_workers must be >= 1"):
+        get_tune_resources(num_workers=0)
+
+
+def test_callback_arguments_are_checked_at_once():
+    with pytest.raises(ValueError, match="'validaton_end' is not a Lightning callback hook.*validation_end"):
+        TuneReportCallback(on="validaton_end")
+    with pytest.raises(TypeError, match="metrics names must be strings"):
+        TuneReportCallback(metrics={"loss": 3})
+    with pytest.raises(ValueError, match="relative file name"):
+        TuneReportCheckpointCallback(filename="/abs/checkpoint")
+    both = TuneReportCallback("val_loss", on=["train_epoch_end", "on_validation_end"])
+    assert callable(both.on_train_epoch_end) and callable(both.on_validation_end)
+
+
+# -- Tune runs ------------------------------------------------------------------------------------
+
+
+def train_boring(config, strategy_class=RayStrategy):
+    metrics = {"loss": "val_loss", "epoch": "epoch_seen"}
+    trainer = _trainer([TuneReportCallback(metrics)], strategy_class(num_workers=2))
+    trainer.fit(EpochModel(lr=config["lr"]))
+
+
+def test_tune_run_reports_each_validation_and_finds_the_best_config(tmp_path):
+    analysis = tune.run(
+        train_boring,
+        config={"lr": tune.grid_search([0.0, 0.05])},
+        metric="loss",
+        mode="min",
+        resources_per_trial=get_tune_resources(num_workers=2),
+        storage_path=str(tmp_path),
+        verbose=0,
+    )
+    # One report per validation epoch (3), none for the sanity check.
+    assert [t.last_result["training_iteration"] for t in analysis.trials] == [3, 3]
+    assert [t.last_result["epoch"] for t in analysis.trials] == [2.0, 2.0]
+    assert analysis.best_config == {"lr": 0.05}
+    losses = {t.config["lr"]: t.last_result["loss"] for t in analysis.trials}
+    assert losses[0.05] < losses[0.0]
+
+
+def train_with_checkpoints(config, strategy_class=RayStrategy):
+    trainer = _trainer(
+        [TuneReportCheckpointCallback({"loss": "val_loss"}, filename="model.ckpt")],
+        strategy_class(num_workers=2),
+        max_epochs=config["epochs"],
+    )
+    trainer.fit(BoringModel(lr=config["lr"]))
+
+
+@pytest.mark.parametrize("strategy_class", [RayStrategy, HorovodRayStrategy])
+def test_tuner_with_resources_reports_loadable_checkpoints(strategy_class, tmp_path):
+    if strategy_class is HorovodRayStrategy:
+        pytest.importorskip("horovod.torch", reason="Horovod is not installed: `python3 dev.py test` builds it")
+    tuner = tune.Tuner(
+        tune.with_resources(
+            tune.with_parameters(train_with_checkpoints, strategy_class=strategy_class), get_tune_resources(2)
+        ),
+        param_space={"lr": tune.grid_search([0.01, 0.05]), "epochs": 2},
+        tune_config=tune.TuneConfig(metric="loss", mode="min"),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0),
+    )
+    results = tuner.fit()
+    assert not results.errors
+    best = results.get_best_result()
+    assert best.metrics["training_iteration"] == 2
+    path = os.path.join(best.checkpoint.path, "model.ckpt")
+    restored = BoringModel.load_from_checkpoint(path)
+    assert restored.hparams.lr == best.config["lr"]
+    saved = torch.load(path, weights_only=False)
+    assert saved["epoch"] == 1 and saved["optimizer_states"], "a full training checkpoint"
+    assert best.metrics["loss"] == min(r.metrics["loss"] for r in results)
+
+
+def train_fail_once_then_resume(config):
+    marker = config["dir"] + "/failed-once"
+    epochs = config["dir"] + "/epochs"
+
+    class FailOnce(EpochModel):
+        def on_train_start(self):
+            if self.global_rank == 0:
+                with open(epochs, "a") as f:
+                    f.write("start\n")
+
+        def training_step(self, batch, batch_idx):
+            if self.global_rank == 0 and batch_idx == 0:
+                with open(epochs, "a") as f:
+                    f.write(f"{self.current_epoch}\n")
+            if self.current_epoch == 2 and not os.path.exists(marker):
+                open(marker, "w").close()
+                raise RuntimeError("simulated crash in epoch 2")
+            return super().training_step(batch, batch_idx)
+
+    trainer = _trainer([TuneReportCheckpointCallback({"loss": "val_loss", "epoch": "epoch_seen"})], max_epochs=4)
+    checkpoint = tune.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as directory:
+            trainer.fit(FailOnce(), ckpt_path=os.path.join(directory, "checkpoint"))
+    else:
+        trainer.fit(FailOnce())
+
+
+def test_failed_trial_resumes_from_its_last_checkpoint(tmp_path):
+    analysis = tune.run(
+        train_fail_once_then_resume,
+        config={"dir": str(tmp_path)},
+        resources_per_trial=get_tune_resources(num_workers=2),
+        max_failures=1,
+        storage_path=str(tmp_path / "results"),
+        verbose=0,
+    )
+    (trial,) = analysis.trials
+    assert trial.status == "TERMINATED"
+    # The first attempt trained epochs 0 and 1 and crashed in epoch 2; the second went on from epoch 2.
+    assert (tmp_path / "epochs").read_text().split() == ["start", "0", "1", "2", "start", "2", "3"]
+    assert trial.last_result["epoch"] == 3.0
+    assert trial.last_result["training_iteration"] == 4
+
+
+def test_asha_stops_bad_trials_and_their_workers_are_gone(tmp_path):
+    analysis = tune.run(
+        train_boring,
+        config={"lr": tune.grid_search([0.05, 0.0, 0.0, 0.0])},
+        metric="loss",
+        mode="min",
+        scheduler=ASHAScheduler(max_t=3, grace_period=1, reduction_factor=2),
+        resources_per_trial=get_tune_resources(num_workers=2),
+        storage_path=str(tmp_path),
+        verbose=0,
+    )
+    iterations = {t.trial_id: t.last_result["training_iteration"] for t in analysis.trials}
+    assert max(iterations.values()) == 3
+    assert min(iterations.values()) < 3, f"ASHA stopped no trial: {iterations}"
+    assert analysis.best_config == {"lr": 0.05}
+
+    wait_for(lambda: not alive_worker_actors(), 60, "stopped trials' worker actors to be gone")
+    wait_for(lambda: ray.available_resources().get("CPU", 0) == SESSION_CPUS, 60, "the trials' CPUs to be free again")
+
+
+@ray.remote(num_cpus=0)
+class Meeting:
+    """Trials check in here; each waits (bounded) until all expected trials are training at once."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.arrived: dict[str, str] = {}
+        self.all_here = asyncio.Event()
+
+    async def arrive(self, who: str, port: str, timeout_s: float) -> dict[str, str]:
+        self.arrived[who] = port
+        if len(self.arrived) >= self.expected:
+            self.all_here.set()
+        await asyncio.wait_for(self.all_here.wait(), timeout_s)
+        return dict(self.arrived)
+
+
+class CheckIn(pl.Callback):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            meeting = ray.get_actor("tune-meeting")
+            ray.get(meeting.arrive.remote(self.name, os.environ["MASTER_PORT"], 120))
+
+
+def train_concurrently(config):
+    callbacks = [CheckIn(f"trial-{config['lr']}"), TuneReportCallback({"loss": "val_loss"})]
+    _trainer(callbacks, max_epochs=2).fit(BoringModel(lr=config["lr"]))
+
+
+def test_two_multi_worker_trials_train_at_once_with_their_own_rendezvous(tmp_path):
+    meeting = Meeting.options(name="tune-meeting").remote(2)
+    try:
+        analysis = tune.run(
+            train_concurrently,
+            config={"lr": tune.grid_search([0.01, 0.05])},
+            resources_per_trial=get_tune_resources(num_workers=2),
+            storage_path=str(tmp_path),
+            verbose=0,
+        )
+        assert [t.status for t in analysis.trials] == ["TERMINATED", "TERMINATED"]
+        assert [t.last_result["training_iteration"] for t in analysis.trials] == [2, 2]
+        ports = ray.get(meeting.arrive.remote("test", "-", 1))
+        assert len({ports["trial-0.01"], ports["trial-0.05"]}) == 2, ports
+    finally:
+        ray.kill(meeting)
+
+
+def train_without_enough_resources(config):
+    _trainer([TuneReportCallback()]).fit(BoringModel())
+
+
+def train_reporting_a_missing_metric(config):
+    _trainer([TuneReportCallback({"acc": "val_accuracy"})]).fit(BoringModel())
+
+
+@pytest.mark.parametrize(
+    ("train_fn", "resources", "message"),
+    [
+        (train_without_enough_resources, {"CPU": 1}, r"get_tune_resources\(num_workers=..."),
+        (train_reporting_a_missing_metric, get_tune_resources(2), r"'val_accuracy'.*logged metrics:.*'val_loss'"),
+    ],
+)
+def test_trial_errors_say_what_to_fix(train_fn, resources, message, tmp_path):
+    tuner = tune.Tuner(
+        tune.with_resources(train_fn, resources),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0),
+    )
+    (result,) = tuner.fit()
+    assert result.error is not None
+    assert re.search(message, str(result.error), re.S), str(result.error)
+    wait_for(lambda: not alive_worker_actors(), 60, "the failed trial's worker actors to be gone")
+
+
+def test_tune_example_prints_the_best_hyperparameters(tmp_path, capsys):
+    from examples.tune_digits import main
+
+    analysis = main(["--num-samples", "2", "--max-epochs", "2", "--storage-path", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "Best hyperparameters found were: " in out
+    assert set(analysis.best_config) == {"hidden", "lr", "batch_size"}
+    assert "Reloaded the best checkpoint" in out
