@@ -20,6 +20,7 @@ The actors and the placement group are removed after every call, whatever happen
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import sys
@@ -110,6 +111,7 @@ class RayLauncher(_Launcher):
                 # `trainer.logger.log_dir` points on the driver afterwards.
                 _ = logger.version
         payload = _put_payload(trainer, function, args, kwargs)
+        checkpoint = _checkpoint_argument(function, args, kwargs)
 
         if enclosing is not None:
             group = _WorkerGroup.start_in(enclosing, request)
@@ -119,7 +121,7 @@ class RayLauncher(_Launcher):
         channel = DriverChannel() if trainer is not None and needs_channel(trainer.callbacks) else None
         try:
             infos = group.node_infos(strategy.worker_start_timeout_s)
-            outputs = group.run(payload, self._contexts(group, infos, channel), channel)
+            outputs = group.run(payload, self._contexts(group, infos, channel, checkpoint), channel)
             if channel is not None:
                 channel.run_remaining()
         finally:
@@ -143,7 +145,11 @@ class RayLauncher(_Launcher):
         return rank_zero.results
 
     def _contexts(
-        self, group: _WorkerGroup, infos: list[NodeInfo], channel: DriverChannel | None = None
+        self,
+        group: _WorkerGroup,
+        infos: list[NodeInfo],
+        channel: DriverChannel | None = None,
+        checkpoint: str | None = None,
     ) -> list[WorkerContext]:
         """Each worker's rank, device and rendezvous, from where the actors landed."""
         node_ids = [i.node_id for i in infos]
@@ -157,6 +163,12 @@ class RayLauncher(_Launcher):
             self._strategy._rendezvous, nodes_by_rank, self._strategy.worker_start_timeout_s
         )
         driver_node = ray.get_runtime_context().get_node_id()
+        shipped = None
+        if checkpoint is not None and any(i.node_id != driver_node for i in infos):
+            # Workers on other machines may not see the driver's file: send it once through the
+            # object store; each of them writes it locally before Lightning reads it.
+            with open(checkpoint, "rb") as f:
+                shipped = (checkpoint, ray.put(f.read()))
         env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
         # Trainer(deterministic=..., benchmark=...) set these in this process only.
         torch_flags = (
@@ -185,6 +197,7 @@ class RayLauncher(_Launcher):
                 driver_sys_path=tuple(p for p in sys.path if p),
                 torch_flags=torch_flags,
                 driver_queue=channel.queue if channel is not None else None,
+                checkpoint_file=shipped if info.node_id != driver_node else None,
             )
             for rank, info, (visible, index) in zip(ranks, infos, devices)
         ]
@@ -198,6 +211,17 @@ class RayLauncher(_Launcher):
         state = self.__dict__.copy()
         state["_group"] = None
         return state
+
+
+def _checkpoint_argument(function: Callable, args: tuple, kwargs: dict) -> str | None:
+    """The checkpoint file on this machine that ``fit``/``validate``/... were given, if any."""
+    try:
+        path = inspect.signature(function).bind_partial(*args, **kwargs).arguments.get("ckpt_path")
+    except (TypeError, ValueError):
+        return None
+    if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
+        return os.path.abspath(path)
+    return None  # None, "best", "last", a remote URL...: resolved by Lightning in the workers
 
 
 def _put_payload(trainer: pl.Trainer | None, function: Callable, args: tuple, kwargs: dict) -> ray.ObjectRef:

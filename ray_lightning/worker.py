@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,6 +42,9 @@ class WorkerContext:
     torch_flags: tuple[bool, bool, bool] = (False, False, False)
     # The queue of calls to run on the driver (ray_lightning.driver_channel), if the Trainer needs one.
     driver_queue: Any = None
+    # (path on the driver's machine, object ref of its bytes): the ckpt_path argument, for workers
+    # on other machines.
+    checkpoint_file: tuple[str, ray.ObjectRef] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,10 @@ class RayWorker:
             if path not in sys.path and os.path.isdir(path):
                 sys.path.append(path)
         trainer, function, args, kwargs = ray.get(payload[0])
+        local_copies = contextlib.ExitStack()
+        if context.checkpoint_file is not None:
+            directory = local_copies.enter_context(tempfile.TemporaryDirectory(prefix="ray_lightning-ckpt-"))
+            args, kwargs = _with_local_checkpoint(function, args, kwargs, directory, *context.checkpoint_file)
         accelerator_module._IN_RAY_WORKER = True
         driver_channel._worker_queue = context.driver_queue
 
@@ -120,9 +128,23 @@ class RayWorker:
         if trainer.state.fn == TrainerFn.PREDICTING:
             recorder = PredictionRecorder()
             trainer.callbacks.append(recorder)
-        with _readable_output(context.rank.global_rank == 0):
+        with local_copies, _readable_output(context.rank.global_rank == 0):
             results = function(*args, **kwargs)
         return collect_worker_output(trainer, results, recorder, context.send_files)
+
+
+def _with_local_checkpoint(
+    function: Any, args: tuple, kwargs: dict, directory: str, driver_path: str, data_ref: ray.ObjectRef
+) -> tuple[tuple, dict]:
+    """Write the driver's checkpoint file into ``directory`` and point the ``ckpt_path`` argument at it."""
+    import inspect
+
+    local = os.path.join(directory, os.path.basename(driver_path))
+    with open(local, "wb") as f:
+        f.write(ray.get(data_ref))
+    bound = inspect.signature(function).bind_partial(*args, **kwargs)
+    bound.arguments["ckpt_path"] = local
+    return bound.args, bound.kwargs
 
 
 @contextlib.contextmanager

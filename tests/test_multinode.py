@@ -124,3 +124,43 @@ def test_horovod_with_uneven_nodes(two_node_cluster, tmp_path):
     assert [r["hvd_rank"] for r in records] == [0, 1, 2]
     assert sorted(r["hvd_local_size"] for r in records) == [1, 2, 2]
     assert "val_loss" in trainer.callback_metrics
+
+
+class RestoredFrom(pl.Callback):
+    """Records, per rank, the checkpoint file Lightning restored from and whether it was readable there."""
+
+    def __init__(self, directory) -> None:
+        self.directory = str(directory)
+
+    def on_train_start(self, trainer, pl_module):
+        import json
+
+        with open(f"{self.directory}/restored-rank{trainer.global_rank}.json", "w") as f:
+            json.dump({"ckpt_path": trainer.ckpt_path, "epoch": trainer.current_epoch}, f)
+
+
+def test_resume_sends_the_drivers_checkpoint_to_workers_on_other_nodes(two_node_cluster, tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    resources = {"CPU": 1, "worker_slot": 1}
+
+    def trainer(max_epochs, callbacks):
+        strategy = RayStrategy(num_workers=4, resources_per_worker=resources)
+        return pl.Trainer(
+            max_epochs=max_epochs, strategy=strategy, callbacks=callbacks, logger=False, enable_progress_bar=False
+        )
+
+    first = trainer(1, [checkpoint])
+    first.fit(BoringModel())
+    last = checkpoint.last_model_path
+
+    resumed = trainer(3, [RestoredFrom(tmp_path)])
+    resumed.fit(BoringModel(), ckpt_path=last)
+
+    assert resumed.current_epoch == 3 and resumed.global_step == 3 * 2
+    records = [__import__("json").loads((tmp_path / f"restored-rank{r}.json").read_text()) for r in range(4)]
+    # Every worker runs on another node than the driver: each read its own copy of the file.
+    paths = [r["ckpt_path"] for r in records]
+    assert last not in paths and len(set(paths)) == 4, paths
+    assert all(os.path.basename(p) == os.path.basename(last) for p in paths)
+    assert {r["epoch"] for r in records} == {1}
+    assert not any(os.path.exists(p) for p in paths), "the copies should be removed after the fit"
