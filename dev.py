@@ -4,7 +4,8 @@
     python3 dev.py example   # train the main example on 2 Ray workers, print the metrics that came back
     python3 dev.py test      # run the whole test suite (extra arguments go to pytest)
 
-Extra arguments go to the example script or to pytest (`python3 dev.py example --horovod`).
+Extra arguments go to the example script or to pytest (`python3 dev.py example --horovod`);
+`python3 dev.py example --tune` runs the Ray Tune example (examples/tune_digits.py) instead.
 
 Each creates `.venv/` in the checkout on first use, installs what it needs into it, and reuses it
 afterwards. torch is installed as the CPU build unless an NVIDIA GPU is visible (`nvidia-smi`).
@@ -171,7 +172,9 @@ def main(argv: list[str]) -> int:
     if argv[0] == "test" or "--horovod" in argv:
         ensure_horovod()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if argv[0] == "example":
+    if argv[0] == "example" and "--tune" in argv:
+        cmd = [str(PYTHON), "examples/tune_digits.py", *(a for a in argv[1:] if a != "--tune")]
+    elif argv[0] == "example":
         cmd = [str(PYTHON), "examples/train_digits.py", *argv[1:]]
     else:
         cmd = [str(PYTHON), "-m", "pytest", *argv[1:]]

@@ -1,7 +1,7 @@
 """Hyperparameter search with Ray Tune where every trial trains on its own 2 Ray workers (DDP).
 
-    .venv/bin/python examples/tune_digits.py                   # after `python3 dev.py example` set up .venv
-    .venv/bin/python examples/tune_digits.py --num-samples 8 --horovod
+    python3 dev.py example --tune                              # via the project's command (sets up .venv)
+    python3 dev.py example --tune --num-samples 8 --horovod
 
 The seed README's Tune example, ported to Ray 2.60: the training code lives in a function, Tune
 runs it once per sampled config, and ``get_tune_resources`` reserves each trial's process plus its
