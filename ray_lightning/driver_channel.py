@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray import cloudpickle
 from ray.util.queue import Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -33,7 +34,8 @@ def send_to_driver(function: Callable[..., Any], *args: Any) -> None:
     if _worker_queue is None:
         function(*args)
     else:
-        _worker_queue.put((function, args))
+        # Pickled here: the queue actor then holds bytes and never imports what the call needs.
+        _worker_queue.put(cloudpickle.dumps((function, args)))
 
 
 def needs_channel(callbacks: list[Any]) -> bool:
@@ -59,7 +61,7 @@ class DriverChannel:
 
     def run_next(self) -> None:
         ref, self._pending = self.next_call(), None
-        function, args = ray.get(ref)
+        function, args = cloudpickle.loads(ray.get(ref))
         function(*args)
 
     def run_remaining(self) -> None:
@@ -70,7 +72,7 @@ class DriverChannel:
             item = ray.get(ref)
             if item == _END:
                 return
-            function, args = item
+            function, args = cloudpickle.loads(item)
             function(*args)
 
     def close(self) -> None:

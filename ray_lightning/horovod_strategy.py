@@ -29,7 +29,7 @@ import ray
 import torch
 from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.callbacks import GradientAccumulationScheduler
-from pytorch_lightning.core.optimizer import LightningOptimizer
+from pytorch_lightning.core.optimizer import LightningOptimizer, _MockOptimizer
 from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor
@@ -115,7 +115,6 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         horovod_support.import_horovod_torch()
         self._init_workers(resources, init_hook, placement_timeout_s, worker_start_timeout_s)
         super().__init__(cluster_environment=RayEnvironment(workers))
-        self._exit_stack: contextlib.ExitStack | None = None
         self._failed = False
 
     @classmethod
@@ -147,6 +146,7 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         return horovod_support.import_horovod_torch()
 
     def setup_environment(self) -> None:
+        self._failed = False
         self.set_world_ranks()
         hvd = horovod_support.init_horovod(ray.util.get_node_ip_address())
         if (hvd.rank(), hvd.size()) != (self.global_rank, self.world_size):
@@ -177,7 +177,7 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
             state = old.state_dict()
             # Horovod initialises an empty state with a zero-gradient step, which moves weights
             # under weight decay; an empty state is the same everywhere, so only a real one is sent.
-            if state["state"]:
+            if state.get("state"):
                 if new is not old:  # Horovod's wrapper is a new optimizer over the same param_groups
                     new.load_state_dict(state)
                 hvd.broadcast_optimizer_state(new, root_rank=0)
@@ -186,15 +186,16 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
                 if getattr(config.scheduler, "optimizer", None) is old:
                     _retarget_scheduler(config.scheduler, new)
         self.optimizers = wrapped
-        self._exit_stack = contextlib.ExitStack()
-        for optimizer in wrapped:
-            # Gradients are synchronized once per step in optimizer_step(), after the closure ran
-            # the backward pass; step() itself must not synchronize again.
-            self._exit_stack.enter_context(optimizer.skip_synchronize())
+        for lightning_optimizer in self._lightning_optimizers:
+            # Lightning's wrapper class subclasses Horovod's optimizer class, whose methods call
+            # super(self.__class__, self): through the wrapper that recurses forever
+            # (`self.optimizers().zero_grad()` in manual optimization). Call the real ones.
+            for name in ("zero_grad", "load_state_dict"):
+                setattr(lightning_optimizer, name, getattr(lightning_optimizer.optimizer, name))
 
     def _wrap(self, optimizer: Optimizer, hvd: Any, accumulate_grad_batches: int) -> Optimizer:
-        if hasattr(optimizer, "synchronize"):  # already a Horovod optimizer
-            return optimizer
+        if hasattr(optimizer, "synchronize") or isinstance(optimizer, _MockOptimizer):
+            return optimizer  # already Horovod's, or Lightning's stand-in when there is no optimizer
         module = self.lightning_module
         assert module is not None
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -223,7 +224,10 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
             synchronize()
             return result
 
-        return super().optimizer_step(optimizer, closure_then_synchronize, model, **kwargs)
+        # step() itself must not synchronize again (entered per step: Horovod's load_state_dict,
+        # which Lightning calls when resuming, resets the flag).
+        with optimizer.skip_synchronize():
+            return super().optimizer_step(optimizer, closure_then_synchronize, model, **kwargs)
 
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
         if not isinstance(tensor, Tensor):
@@ -243,7 +247,9 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
             return self._hvd.allgather(_writable(tensor).unsqueeze(0))
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self._hvd.broadcast_object(obj, root_rank=src)
+        # A fixed name: Horovod names the collective after type(obj) otherwise, and ranks holding
+        # different types (`x if rank == 0 else None`) would wait for each other forever.
+        return self._hvd.broadcast_object(obj, root_rank=src, name="ray_lightning.broadcast")
 
     def barrier(self, name: str | None = None) -> None:
         if self._worker is None:
@@ -256,9 +262,6 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         self._failed = True
 
     def teardown(self) -> None:
-        if self._exit_stack is not None:
-            self._exit_stack.close()
-            self._exit_stack = None
         # Every worker finishes its last collective before any leaves; but a failed worker must not
         # join, since hvd.join lets the others train on without it and would hide the failure.
         if not self._failed:
@@ -266,11 +269,6 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         super().teardown()
         if self._worker is not None and self.root_device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def __getstate__(self) -> dict:
-        state = super().__getstate__()
-        state["_exit_stack"] = None
-        return state
 
 
 def _writable(tensor: Tensor) -> Tensor:

@@ -118,8 +118,10 @@ class RayLauncher(_Launcher):
         else:
             group = _WorkerGroup.start(request, strategy.placement_timeout_s)
         self._group = group
-        channel = DriverChannel() if trainer is not None and needs_channel(trainer.callbacks) else None
+        channel = None
         try:
+            if trainer is not None and needs_channel(trainer.callbacks):
+                channel = DriverChannel()
             infos = group.node_infos(strategy.worker_start_timeout_s)
             outputs = group.run(payload, self._contexts(group, infos, channel, checkpoint), channel)
             if channel is not None:
@@ -163,6 +165,9 @@ class RayLauncher(_Launcher):
             self._strategy._rendezvous, nodes_by_rank, self._strategy.worker_start_timeout_s
         )
         driver_node = ray.get_runtime_context().get_node_id()
+        # Workers on this machine read the file where it is, by its absolute path (their working
+        # directory is not the driver's).
+        local = (checkpoint, None) if checkpoint is not None else None
         shipped = None
         if checkpoint is not None and any(i.node_id != driver_node for i in infos):
             # Workers on other machines may not see the driver's file: send it once through the
@@ -197,7 +202,7 @@ class RayLauncher(_Launcher):
                 driver_sys_path=tuple(p for p in sys.path if p),
                 torch_flags=torch_flags,
                 driver_queue=channel.queue if channel is not None else None,
-                checkpoint_file=shipped if info.node_id != driver_node else None,
+                checkpoint_file=shipped if info.node_id != driver_node else local,
             )
             for rank, info, (visible, index) in zip(ranks, infos, devices)
         ]

@@ -150,9 +150,6 @@ class TuneReportCallback(pl.Callback):
         if trainer.is_global_zero:
             send_to_driver(report_to_tune, self._collect(trainer), None)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
 
 class TuneReportCheckpointCallback(TuneReportCallback):
     """Report metrics to Ray Tune together with a Lightning checkpoint of the training so far.

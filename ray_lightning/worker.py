@@ -42,9 +42,9 @@ class WorkerContext:
     torch_flags: tuple[bool, bool, bool] = (False, False, False)
     # The queue of calls to run on the driver (ray_lightning.driver_channel), if the Trainer needs one.
     driver_queue: Any = None
-    # (path on the driver's machine, object ref of its bytes): the ckpt_path argument, for workers
-    # on other machines.
-    checkpoint_file: tuple[str, ray.ObjectRef] | None = None
+    # The ckpt_path argument when it is a file on the driver's machine: (its absolute path, a
+    # reference to its bytes for workers on other machines, None on the driver's machine).
+    checkpoint_file: tuple[str, ray.ObjectRef | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,13 @@ class RayWorker:
         trainer, function, args, kwargs = ray.get(payload[0])
         local_copies = contextlib.ExitStack()
         if context.checkpoint_file is not None:
-            directory = local_copies.enter_context(tempfile.TemporaryDirectory(prefix="ray_lightning-ckpt-"))
-            args, kwargs = _with_local_checkpoint(function, args, kwargs, directory, *context.checkpoint_file)
+            path, data = context.checkpoint_file
+            if data is not None:
+                directory = local_copies.enter_context(tempfile.TemporaryDirectory(prefix="ray_lightning-ckpt-"))
+                path = os.path.join(directory, os.path.basename(path))
+                with open(path, "wb") as f:
+                    f.write(ray.get(data))
+            args, kwargs = _with_checkpoint_path(function, args, kwargs, path)
         accelerator_module._IN_RAY_WORKER = True
         driver_channel._worker_queue = context.driver_queue
 
@@ -133,17 +138,12 @@ class RayWorker:
         return collect_worker_output(trainer, results, recorder, context.send_files)
 
 
-def _with_local_checkpoint(
-    function: Any, args: tuple, kwargs: dict, directory: str, driver_path: str, data_ref: ray.ObjectRef
-) -> tuple[tuple, dict]:
-    """Write the driver's checkpoint file into ``directory`` and point the ``ckpt_path`` argument at it."""
+def _with_checkpoint_path(function: Any, args: tuple, kwargs: dict, path: str) -> tuple[tuple, dict]:
+    """``args``/``kwargs`` of ``function`` with its ``ckpt_path`` argument replaced by ``path``."""
     import inspect
 
-    local = os.path.join(directory, os.path.basename(driver_path))
-    with open(local, "wb") as f:
-        f.write(ray.get(data_ref))
     bound = inspect.signature(function).bind_partial(*args, **kwargs)
-    bound.arguments["ckpt_path"] = local
+    bound.arguments["ckpt_path"] = path
     return bound.args, bound.kwargs
 
 

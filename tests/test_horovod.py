@@ -206,6 +206,44 @@ def test_accelerator_form_reaches_the_same_accuracy_as_ray_accelerator():
     assert horovod == pytest.approx(ddp, abs=0.01)
 
 
+class ManualModel(BoringModel):
+    """Manual optimization: the module zeroes, back-propagates and steps itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        x, y, _ = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.manual_backward(loss)
+        optimizer.step()
+        self.log("train_loss", loss)
+
+
+class NoOptimizerModel(BoringModel):
+    def configure_optimizers(self):
+        return None
+
+
+def test_manual_optimization_and_no_optimizer_match_ddp():
+    def run(strategy, model_class) -> dict:
+        torch.manual_seed(11)
+        model = model_class()
+        _trainer(max_epochs=2, strategy=strategy).fit(model)
+        return model.state_dict()
+
+    horovod, ddp = run(HorovodRayStrategy(num_workers=2), ManualModel), run(RayStrategy(num_workers=2), ManualModel)
+    for k in ddp:
+        torch.testing.assert_close(horovod[k], ddp[k])
+    torch.manual_seed(11)
+    untouched = NoOptimizerModel().state_dict()
+    for k, v in run(HorovodRayStrategy(num_workers=2), NoOptimizerModel).items():
+        torch.testing.assert_close(v, untouched[k])
+
+
 class ScheduledModel(BoringModel):
     """SGD whose rate drops tenfold each epoch; logs the rate the optimizer really used."""
 
@@ -255,6 +293,9 @@ class CollectivesModel(BoringModel):
         self.log("broadcast_from_1", float(self.trainer.strategy.broadcast(self.global_rank + 100, src=1)))
         stop_everywhere = self.trainer.strategy.reduce_boolean_decision(self.global_rank == 1, all=False)
         self.log("any_rank_is_1", float(stop_everywhere))
+        # Ranks holding objects of different types, as in `x if rank == 0 else None`.
+        word = self.trainer.strategy.broadcast("from rank 0" if self.global_rank == 0 else None)
+        self.log("broadcast_word_ok", float(word == "from rank 0"))
 
 
 @pytest.mark.parametrize("strategy_class", [HorovodRayStrategy, RayStrategy])
@@ -268,6 +309,7 @@ def test_sync_dist_all_gather_and_broadcast_cross_the_workers(strategy_class):
     assert metrics["gathered_rows"] == 2 and metrics["gathered_sum"] == pytest.approx(1.0)
     assert metrics["broadcast_from_1"] == 101
     assert metrics["any_rank_is_1"] == 1.0
+    assert metrics["broadcast_word_ok"] == 1.0
 
 
 class PreSteppedOptimizer(BoringModel):

@@ -66,6 +66,9 @@ def test_callback_arguments_are_checked_at_once():
         TuneReportCheckpointCallback(filename="/abs/checkpoint")
     both = TuneReportCallback("val_loss", on=["train_epoch_end", "on_validation_end"])
     assert callable(both.on_train_epoch_end) and callable(both.on_validation_end)
+    # Several reporting callbacks in one Trainer are fine (they hold no state to tell apart).
+    trainer = pl.Trainer(callbacks=[both, TuneReportCallback("val_loss"), TuneReportCheckpointCallback()], logger=False)
+    assert sum(isinstance(cb, TuneReportCallback) for cb in trainer.callbacks) == 3
 
 
 # -- Tune runs ------------------------------------------------------------------------------------
