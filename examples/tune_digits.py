@@ -60,8 +60,14 @@ def main(argv: list[str] | None = None) -> tune.ExperimentAnalysis:
     args = parser.parse_args(argv)
 
     if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
-        # Tune's trial processes import `examples.train_digits` by name: give them this checkout.
-        ray.init(runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+        # A trial needs 1 CPU for itself plus one per worker; on a small laptop, let the local Ray
+        # count more logical CPUs than there are cores so at least one trial fits (the trial's own
+        # process mostly waits). Tune's trial processes import `examples.train_digits` by name:
+        # give them this checkout.
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, 1 + args.num_workers),
+            runtime_env={"env_vars": {"PYTHONPATH": ROOT}},
+        )
     config = {
         "hidden": tune.choice([32, 64, 128]),
         "lr": tune.loguniform(1e-3, 1e-1),
