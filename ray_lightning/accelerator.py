@@ -133,7 +133,7 @@ class RayAccelerator(Accelerator):
 
     @classmethod
     def register_accelerators(cls, accelerator_registry: Any) -> None:
-        accelerator_registry.register("ray", cls, description="DDP on Ray actors (ray_lightning)")
+        accelerator_registry.register(cls.name(), cls, description=f"{cls.__name__} (ray_lightning)")
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self._strategy_kwargs.items() if v is not None)
@@ -185,12 +185,7 @@ class HorovodRayAccelerator(RayAccelerator):
     def name() -> str:
         return "horovod_ray"
 
-    @classmethod
-    def register_accelerators(cls, accelerator_registry: Any) -> None:
-        accelerator_registry.register("horovod_ray", cls, description="Horovod on Ray actors (ray_lightning)")
 
-
-if "ray" not in AcceleratorRegistry:
-    RayAccelerator.register_accelerators(AcceleratorRegistry)
-if "horovod_ray" not in AcceleratorRegistry:
-    HorovodRayAccelerator.register_accelerators(AcceleratorRegistry)
+for _accelerator in (RayAccelerator, HorovodRayAccelerator):
+    if _accelerator.name() not in AcceleratorRegistry:
+        _accelerator.register_accelerators(AcceleratorRegistry)

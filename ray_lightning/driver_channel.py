@@ -60,20 +60,23 @@ class DriverChannel:
         return self._pending
 
     def run_next(self) -> None:
-        ref, self._pending = self.next_call(), None
-        function, args = cloudpickle.loads(ray.get(ref))
-        function(*args)
+        """Run the call that :meth:`next_call` became ready with."""
+        self._run(self._take())
 
     def run_remaining(self) -> None:
         """After the workers finished (their puts are done): run every call still queued."""
         self.queue.put(_END)
-        while True:
-            ref, self._pending = self.next_call(), None
-            item = ray.get(ref)
-            if item == _END:
-                return
-            function, args = cloudpickle.loads(item)
-            function(*args)
+        while (item := self._take()) != _END:
+            self._run(item)
+
+    def _take(self) -> Any:
+        ref, self._pending = self.next_call(), None
+        return ray.get(ref)
+
+    @staticmethod
+    def _run(item: bytes) -> None:
+        function, args = cloudpickle.loads(item)
+        function(*args)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
