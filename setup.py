@@ -2,7 +2,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="ray_lightning",
-    version="0.5.0",
+    version="0.6.0",
     description="Distributed PyTorch Lightning training on Ray: DDP between Ray actors, from a laptop to a cluster.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

@@ -17,11 +17,12 @@ from ray_lightning import accelerator_hook
 from ray_lightning.accelerator import HorovodRayAccelerator, RayAccelerator
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.horovod_strategy import HorovodRayStrategy
+from ray_lightning.idle_workers import release_idle_workers
 from ray_lightning.launcher import RayWorkerError
 from ray_lightning.resources import ClusterResourceError
 from ray_lightning.strategy import RayStrategy
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 accelerator_hook.install()
 
@@ -34,4 +35,5 @@ __all__ = [
     "RayStrategy",
     "RayWorkerError",
     "__version__",
+    "release_idle_workers",
 ]

@@ -86,6 +86,8 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
             or ``RAY_LIGHTNING_PLACEMENT_TIMEOUT_S``).
         worker_start_timeout_s: how long started workers may take to report in and meet (default
             300 s, or ``RAY_LIGHTNING_WORKER_START_TIMEOUT_S``); also Gloo's rendezvous timeout.
+        keep_workers_alive_s: how long workers wait for the next call of this process (default
+            60 s, ``RAY_LIGHTNING_KEEP_WORKERS_ALIVE_S``; 0: stop after every call), as for ``RayStrategy``.
 
     Example::
 
@@ -108,12 +110,13 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         *,
         placement_timeout_s: float | None = None,
         worker_start_timeout_s: float | None = None,
+        keep_workers_alive_s: float | None = None,
     ) -> None:
         workers, hosts = worker_layout(num_workers, num_hosts, num_slots)
         resources = resolve_worker_resources(workers, num_cpus_per_worker, use_gpu, resources_per_worker, hosts)
         # Fail here, on the driver, rather than in every worker.
         horovod_support.import_horovod_torch()
-        self._init_workers(resources, init_hook, placement_timeout_s, worker_start_timeout_s)
+        self._init_workers(resources, init_hook, placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s)
         super().__init__(cluster_environment=RayEnvironment(workers))
         self._failed = False
 
@@ -257,6 +260,13 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         hvd = self._hvd
         if hvd.is_initialized():
             hvd.join(self.root_device.index if self.root_device.type == "cuda" else -1)
+
+    def _detach_worker(self) -> None:
+        # The next call's workers meet through a new rendezvous: start Horovod afresh then.
+        hvd = self._hvd
+        if hvd.is_initialized():
+            hvd.shutdown()
+        super()._detach_worker()
 
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True

@@ -4,17 +4,21 @@ This is what Lightning calls instead of re-running ``sys.argv`` (``ddp``) or for
 For every ``fit``/``validate``/``test``/``predict`` it
 
 1. connects to Ray (a local one is started if none is running),
-2. checks that the cluster can hold the request and reserves it as one placement group (a bundle
-   per worker, or per host with ``num_hosts``), waiting at most ``placement_timeout_s``,
+2. takes the workers the last call of this process left waiting, if they match
+   (:mod:`ray_lightning.idle_workers`); otherwise checks that the cluster can hold the request,
+   reserves it as one placement group (a bundle per worker, or per host with ``num_hosts``),
+   waiting at most ``placement_timeout_s``, and starts one :class:`~ray_lightning.worker.RayWorker`
+   per worker in those bundles,
 3. puts the Trainer, the module and the arguments into the object store once,
-4. starts one :class:`~ray_lightning.worker.RayWorker` per worker in those bundles, learns where
-   each landed and assigns ranks and GPUs (:mod:`ray_lightning.environment`); rank 0 opens the
-   rendezvous the strategy asks for (a TCPStore for DDP, Horovod's Gloo rendezvous for Horovod),
-5. waits for all of them without polling; the first failure kills the group and is raised with
-   its rank and traceback,
-6. copies rank 0's results onto the driver's Trainer (:mod:`ray_lightning.results`).
-
-The actors and the placement group are removed after every call, whatever happened.
+4. learns where each worker landed and assigns ranks and GPUs (:mod:`ray_lightning.environment`);
+   rank 0 opens the rendezvous the strategy asks for (a TCPStore for DDP, Horovod's Gloo
+   rendezvous for Horovod),
+5. waits for all of them without polling, meanwhile running what rank 0 sends to the driver
+   (:mod:`ray_lightning.driver_channel`: the progress bar, Tune reports); the first failure stops
+   the group and is raised with its rank and traceback,
+6. copies rank 0's results and files onto the driver's Trainer (:mod:`ray_lightning.results`,
+   :mod:`ray_lightning.driver_files`),
+7. leaves the workers waiting for the next call (``keep_workers_alive_s``), or stops them.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint, TQDMProgressBar
 from pytorch_lightning.strategies.launchers.launcher import _Launcher
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
@@ -41,6 +46,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ray_lightning import driver_files, idle_workers
 from ray_lightning.driver_channel import DriverChannel, needs_channel
 from ray_lightning.environment import WorkerRank, assign_cuda_devices, assign_ranks, shares_a_gpu
 from ray_lightning.resources import (
@@ -83,6 +89,21 @@ def ensure_ray_initialized() -> None:
         ray.init(address=os.environ.get("RAY_ADDRESS"))
 
 
+def _driver_node_id() -> str | None:
+    """The Ray node this process runs on; None for a Ray Client, whose machine is no node of the cluster."""
+    if ray.util.client.ray.is_connected():
+        return None
+    return ray.get_runtime_context().get_node_id()
+
+
+def _driver_sys_path() -> tuple[str, ...]:
+    """Where this process imports from, for workers on its machine (a Ray Client's paths mean nothing there)."""
+    if ray.util.client.ray.is_connected():
+        return ()
+    # "" is the working directory (notebooks, `python -c`); workers have their own.
+    return tuple(os.path.abspath(p) if p == "" else p for p in sys.path)
+
+
 class RayLauncher(_Launcher):
     """Runs a Trainer function on Ray actors; see the module docstring for the steps."""
 
@@ -103,34 +124,38 @@ class RayLauncher(_Launcher):
             strategy._check_trainer(trainer)
         ensure_ray_initialized()
         enclosing = get_current_placement_group()
-        if enclosing is None:
+        group = idle_workers.take(request) if enclosing is None else None
+        if group is None and enclosing is None:
             check_cluster_can_hold(request, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
         if trainer is not None:
             for logger in trainer.loggers:
                 # Fix the version (e.g. lightning_logs/version_3) here, so rank 0 writes where
                 # `trainer.logger.log_dir` points on the driver afterwards.
                 _ = logger.version
+            driver_files.make_absolute(trainer)
         payload = _put_payload(trainer, function, args, kwargs)
-        checkpoint = _checkpoint_argument(function, args, kwargs)
+        checkpoint = _checkpoint_argument(function, args, kwargs, trainer)
 
-        if enclosing is not None:
-            group = _WorkerGroup.start_in(enclosing, request)
-        else:
-            group = _WorkerGroup.start(request, strategy.placement_timeout_s)
+        if group is None:
+            if enclosing is not None:
+                group = _WorkerGroup.start_in(enclosing, request)
+            else:
+                group = _WorkerGroup.start(request, strategy.placement_timeout_s)
         self._group = group
-        channel = None
+        succeeded = False
         try:
-            if trainer is not None and needs_channel(trainer.callbacks):
-                channel = DriverChannel()
+            channel = group.channel() if trainer is not None and _needs_channel(trainer) else None
             infos = group.node_infos(strategy.worker_start_timeout_s)
             outputs = group.run(payload, self._contexts(group, infos, channel, checkpoint), channel)
             if channel is not None:
                 channel.run_remaining()
+            succeeded = True
         finally:
             self._group = None
-            group.shutdown()
-            if channel is not None:
-                channel.close()
+            if succeeded and group.owns_pg and strategy.keep_workers_alive_s > 0:
+                idle_workers.keep(request, group, strategy.keep_workers_alive_s)
+            else:
+                group.shutdown()
 
         rank_zero = next(o for o in outputs if o is not None and o.trainer_state is not None)
         if trainer is None:
@@ -164,7 +189,7 @@ class RayLauncher(_Launcher):
         port, rank_env = group.open_rendezvous(
             self._strategy._rendezvous, nodes_by_rank, self._strategy.worker_start_timeout_s
         )
-        driver_node = ray.get_runtime_context().get_node_id()
+        driver_node = _driver_node_id()
         # Workers on this machine read the file where it is, by its absolute path (their working
         # directory is not the driver's).
         local = (checkpoint, None) if checkpoint is not None else None
@@ -175,6 +200,7 @@ class RayLauncher(_Launcher):
             with open(checkpoint, "rb") as f:
                 shipped = (checkpoint, ray.put(f.read()))
         env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
+        sys_path = _driver_sys_path()
         # Trainer(deterministic=..., benchmark=...) set these in this process only.
         torch_flags = (
             torch.are_deterministic_algorithms_enabled(),
@@ -183,10 +209,14 @@ class RayLauncher(_Launcher):
         )
         num_nodes = len(set(node_ids))
         placed = ", ".join(
-            f"rank {r.global_rank} on {i.node_ip} (pid {i.pid}, GPUs {','.join(i.gpu_ids) or 'none'})"
+            f"rank {r.global_rank} on {i.node_ip} (node {i.node_id[:8]}, pid {i.pid}, "
+            f"GPUs {','.join(i.gpu_ids) or 'none'})"
             for r, i in sorted(zip(ranks, infos), key=lambda p: p[0].global_rank)
         )
-        rank_zero_info(f"ray_lightning: {self._strategy.resources.describe()} on {num_nodes} node(s): {placed}")
+        reused = " (reusing the workers of the last call)" if group.calls else ""
+        rank_zero_info(
+            f"ray_lightning: {self._strategy.resources.describe()} on {num_nodes} node(s){reused}: {placed}"
+        )
         return [
             WorkerContext(
                 rank=rank,
@@ -197,9 +227,9 @@ class RayLauncher(_Launcher):
                 cuda_visible_devices=visible,
                 device_index=index,
                 shares_gpu=shared,
-                send_files=rank.global_rank == 0 and info.node_id != driver_node,
+                stage_files=rank.global_rank == 0 and info.node_id != driver_node,
                 env_vars={**env, **rank_env[rank.global_rank]},
-                driver_sys_path=tuple(p for p in sys.path if p),
+                driver_sys_path=sys_path if info.node_id == driver_node else (),
                 torch_flags=torch_flags,
                 driver_queue=channel.queue if channel is not None else None,
                 checkpoint_file=shipped if info.node_id != driver_node else local,
@@ -218,15 +248,27 @@ class RayLauncher(_Launcher):
         return state
 
 
-def _checkpoint_argument(function: Callable, args: tuple, kwargs: dict) -> str | None:
-    """The checkpoint file on this machine that ``fit``/``validate``/... were given, if any."""
+def _checkpoint_argument(function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer | None) -> str | None:
+    """The checkpoint file on this machine that ``fit``/``validate``/... were given, if any.
+
+    ``"best"``/``"last"`` name the checkpoint callback's file, which is on this machine (copied
+    back from rank 0's node), not necessarily on the workers' machines.
+    """
     try:
         path = inspect.signature(function).bind_partial(*args, **kwargs).arguments.get("ckpt_path")
     except (TypeError, ValueError):
         return None
+    callback = trainer.checkpoint_callback if trainer is not None else None
+    if path in ("best", "last") and isinstance(callback, ModelCheckpoint):
+        path = callback.best_model_path if path == "best" else callback.last_model_path
     if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
         return os.path.abspath(path)
-    return None  # None, "best", "last", a remote URL...: resolved by Lightning in the workers
+    return None  # None, a remote URL, "best" without a file...: resolved by Lightning in the workers
+
+
+def _needs_channel(trainer: pl.Trainer) -> bool:
+    """Whether rank 0 will send calls to the driver: Tune reports, or the progress bar the driver draws."""
+    return needs_channel(trainer.callbacks) or isinstance(trainer.progress_bar_callback, TQDMProgressBar)
 
 
 def _put_payload(trainer: pl.Trainer | None, function: Callable, args: tuple, kwargs: dict) -> ray.ObjectRef:
@@ -298,6 +340,14 @@ class _WorkerGroup:
         self.actors = actors
         self.ranks = ranks
         self.infos: list[NodeInfo] = []
+        self.calls = 0  # calls run so far: more than 0 when the group is reused
+        self._channel: DriverChannel | None = None
+
+    def channel(self) -> DriverChannel:
+        """The queue workers send driver calls through; made on first use, kept as long as the group."""
+        if self._channel is None:
+            self._channel = DriverChannel()
+        return self._channel
 
     @classmethod
     def start_in(cls, pg: Any, request: WorkerResources) -> _WorkerGroup:
@@ -370,7 +420,8 @@ class _WorkerGroup:
         return group
 
     def node_infos(self, timeout_s: float) -> list[NodeInfo]:
-        self.infos = self._get([a.node_info.remote() for a in self.actors], timeout_s, "report where they run")
+        if not self.infos:  # a reused group's actors are where they were
+            self.infos = self._get([a.node_info.remote() for a in self.actors], timeout_s, "report where they run")
         return self.infos
 
     def open_rendezvous(self, kind: str, nodes_by_rank: list[str], timeout_s: float) -> tuple[int, list[dict]]:
@@ -397,6 +448,7 @@ class _WorkerGroup:
 
         Calls the workers send through ``channel`` run here as they arrive.
         """
+        self.calls += 1
         refs = [actor.execute.remote([payload], ctx) for actor, ctx in zip(self.actors, contexts)]
         pending = {ref: i for i, ref in enumerate(refs)}
         outputs: list[WorkerOutput | None] = [None] * len(refs)
@@ -456,6 +508,9 @@ class _WorkerGroup:
         for actor in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
         if self.owns_pg:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.pg)

@@ -1,10 +1,12 @@
-"""Rank 0's console output, made readable after Ray forwards it to the driver.
+"""Rank 0's progress bar, drawn by the driver; its other console output, forwarded by Ray.
 
-Ray forwards a worker's output to the driver line by line. Lightning's tqdm bars redraw
-themselves in place with ``\\r`` and cursor moves, so an epoch of redraws would arrive as one
-endless line, or as a line per redraw. On rank 0, :class:`ProgressLines` stands in for
-``sys.stdout``: other output passes through unchanged, while progress-bar states become whole
-lines, at most one per ``interval_s`` plus each bar's finished (100%) state.
+Ray forwards a worker's output to the driver line by line, prefixed with the worker's rank.
+Lightning's tqdm bars redraw themselves in place with ``\\r`` and cursor moves, so an epoch of
+redraws would arrive as one endless line, or as a line per redraw. On rank 0,
+:class:`ProgressLines` stands in for ``sys.stdout``: other output passes through unchanged, while
+progress-bar states are picked out, at most one per ``interval_s`` plus each bar's finished (100%)
+state. With a driver channel they go to the driver, which redraws one bar in place
+(:func:`show_progress`); without one they become whole lines in the forwarded output.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import sys
 import time
 from typing import TextIO
 
@@ -24,9 +27,11 @@ _BAR = re.compile(r"\|[^|]*\| *\d+/(\d+|\?) \[")
 class ProgressLines(io.TextIOBase):
     """A text stream that writes complete lines to ``target`` and throttles in-place redraws."""
 
-    def __init__(self, target: TextIO, interval_s: float = 1.0) -> None:
+    def __init__(self, target: TextIO, interval_s: float | None = None, to_driver: bool = False) -> None:
         self._target = target
-        self._interval_s = interval_s
+        self._to_driver = to_driver
+        # The driver redraws in place, so it can take more frequent states than a log can.
+        self._interval_s = interval_s if interval_s is not None else (0.25 if to_driver else 1.0)
         self._pending = ""  # the newest redraw of the current line, not yet written
         self._last_bar = -math.inf
         self._held: str | None = None  # the newest finished (100%) state of the last bar
@@ -67,14 +72,22 @@ class ProgressLines(io.TextIOBase):
         now = time.monotonic()
         if final or now - self._last_bar >= self._interval_s:
             self._last_bar = now
-            self._emit(line)
+            self._emit_bar(line, done=final)
             return True
         return False
 
     def _release_held(self) -> None:
         if self._held is not None:
-            self._emit(self._held)
+            self._emit_bar(self._held, done=True)
         self._held = self._held_key = None
+
+    def _emit_bar(self, line: str, done: bool) -> None:
+        if self._to_driver:
+            from ray_lightning.driver_channel import send_to_driver
+
+            send_to_driver(show_progress, line.rstrip(), done)
+        else:
+            self._emit(line)
 
     @staticmethod
     def _newest(line: str) -> str:
@@ -104,3 +117,29 @@ class ProgressLines(io.TextIOBase):
     @property
     def encoding(self) -> str:  # type: ignore[override]
         return getattr(self._target, "encoding", "utf-8")
+
+
+# -- on the driver -----------------------------------------------------------------------------------
+
+_drawn = 0  # length of the bar state drawn in place on the driver's current line, 0 if none
+
+
+def show_progress(line: str, done: bool) -> None:
+    """Draw a state of rank 0's progress bar on the driver: in place where the console can redraw.
+
+    A finished bar (``done``) stays on its line; the next one starts below it.
+    """
+    global _drawn
+    out = sys.stdout
+    if not _redraws_in_place(out):
+        out.write(line + "\n")
+    else:
+        out.write("\r" + line.ljust(_drawn) + ("\n" if done else ""))
+        _drawn = 0 if done else len(line)
+    out.flush()
+
+
+def _redraws_in_place(stream: TextIO) -> bool:
+    # Terminals and Jupyter's output areas honour "\r"; log files and pipes would keep every state.
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty()) or "ipykernel" in sys.modules

@@ -3,14 +3,13 @@
 Rank 0 sends one :class:`WorkerOutput`: trained weights, metrics, loop progress (so
 ``trainer.current_epoch``/``global_step`` are right), the state of stateful callbacks
 (``ModelCheckpoint.best_model_path``/``best_model_score``, ``EarlyStopping``...), and, when it ran
-on another node than the driver, the bytes of the checkpoint files it wrote. When predicting,
+off the driver's machine, the files it wrote (:mod:`ray_lightning.driver_files`). When predicting,
 every rank sends its predictions with their dataset indices, and the driver puts them back into
 dataset order.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,8 @@ from lightning_fabric.utilities.apply_func import move_data_to_device
 from pytorch_lightning.callbacks import BasePredictionWriter, ModelCheckpoint
 from pytorch_lightning.trainer.states import TrainerFn, TrainerState
 
+from ray_lightning import driver_files
+
 
 @dataclass
 class WorkerOutput:
@@ -29,7 +30,7 @@ class WorkerOutput:
     global_rank: int
     trainer_state: TrainerState | None = None
     results: Any = None
-    weights: dict[str, torch.Tensor] | None = None
+    weights: dict[str, Any] | None = None  # see pack_weights
     callback_metrics: dict[str, Any] = field(default_factory=dict)
     logged_metrics: dict[str, Any] = field(default_factory=dict)
     progress_bar_metrics: dict[str, Any] = field(default_factory=dict)
@@ -67,24 +68,16 @@ class PredictionRecorder(BasePredictionWriter):
         self.records.append((dataloader_idx, list(batch_indices or []), move_data_to_device(prediction, "cpu")))
 
 
-def _checkpoint_files(trainer: pl.Trainer) -> set[str]:
-    paths: set[str] = set()
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            paths.update(str(p) for p in callback.best_k_models)
-            paths.update(
-                str(p) for p in (callback.best_model_path, callback.last_model_path, callback.kth_best_model_path)
-            )
-    return {p for p in paths if p and os.path.isfile(p)}
-
-
 def collect_worker_output(
     trainer: pl.Trainer,
     results: Any,
     recorder: PredictionRecorder | None,
-    send_files: bool,
+    staging: str | None,
 ) -> WorkerOutput | None:
-    """Runs in every worker after the Trainer function returned."""
+    """Runs in every worker after the Trainer function returned.
+
+    ``staging``: where rank 0 wrote its files instead of the driver's paths, if it did.
+    """
     rank = trainer.global_rank
     fitting = trainer.state.fn == TrainerFn.FITTING
     # Every rank computes the state dict: torchmetrics states may sync across ranks.
@@ -99,7 +92,7 @@ def collect_worker_output(
         trainer_state=trainer.state,
         # When predicting, the driver rebuilds the results from every rank's `predictions`.
         results=None if predicting else move_data_to_device(results, "cpu"),
-        weights=move_data_to_device(weights, "cpu") if weights is not None else None,
+        weights=pack_weights(weights) if weights is not None else None,
         callback_metrics=move_data_to_device(dict(trainer.callback_metrics), "cpu"),
         logged_metrics=move_data_to_device(dict(trainer.logged_metrics), "cpu"),
         progress_bar_metrics=move_data_to_device(dict(trainer.progress_bar_metrics), "cpu"),
@@ -118,19 +111,60 @@ def collect_worker_output(
     for callback in trainer.callbacks:
         state = callback.state_dict()
         if state:
+            if staging is not None:
+                state = driver_files.from_staged(state, staging)
             output.callback_states.append((callback.state_key, move_data_to_device(state, "cpu")))
-    if send_files:
-        for path in _checkpoint_files(trainer):
-            with open(path, "rb") as f:
-                output.files[path] = f.read()
+    if staging is not None:
+        output.files = driver_files.collect(staging)
     return output
+
+
+def pack_weights(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A state dict made of numpy byte arrays, which Ray moves without extra copies.
+
+    Ray pickles a torch tensor into the message as bytes, then copies that into the object store,
+    and the driver copies it out again. A numpy array instead goes into the object store with one
+    copy and is read there in place by the driver, so the only other copy is ``load_state_dict``'s.
+    Bytes (``uint8``) keep every dtype, including those numpy lacks (bfloat16, float8).
+    """
+    packed: dict[str, Any] = {}
+    for name, value in state_dict.items():
+        if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_quantized:
+            tensor = value.detach().cpu().contiguous()
+            data = tensor.reshape(-1).view(torch.uint8).numpy()
+            packed[name] = _PackedTensor(tensor.dtype, tuple(tensor.shape), data)
+        else:
+            packed[name] = move_data_to_device(value, "cpu")
+    return packed
+
+
+def unpack_weights(packed: dict[str, Any]) -> dict[str, Any]:
+    """Tensors viewing :func:`pack_weights`' arrays (no copy)."""
+    return {name: value.tensor() if isinstance(value, _PackedTensor) else value for name, value in packed.items()}
+
+
+@dataclass(frozen=True)
+class _PackedTensor:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    data: Any  # a 1-D numpy uint8 array
+
+    def tensor(self) -> torch.Tensor:
+        if self.data.size == 0:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.from_numpy(self.data).view(self.dtype).reshape(self.shape)
 
 
 def apply_to_driver(trainer: pl.Trainer, output: WorkerOutput) -> None:
     """Make the driver's Trainer and module look as if rank 0's run had happened here."""
     if output.weights is not None:
+        with warnings.catch_warnings():
+            # The tensors read the object store's read-only memory in place; load_state_dict only copies from them.
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            weights = unpack_weights(output.weights)
         # Non-strict like Lightning's ddp_spawn: layers may have been added in the workers' setup hooks.
-        trainer.lightning_module.load_state_dict(output.weights, strict=False)
+        trainer.lightning_module.load_state_dict(weights, strict=False)
+        output.weights = weights = None  # release the object store's memory
     if output.trainer_state is not None:
         trainer.state = output.trainer_state
     for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
@@ -155,10 +189,7 @@ def apply_to_driver(trainer: pl.Trainer, output: WorkerOutput) -> None:
             callback.dirpath = state.get("dirpath", callback.dirpath)
             callback.current_score = state.get("current_score")
         callback.load_state_dict(state)
-    for path, data in output.files.items():
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
+    driver_files.write(output.files)
 
 
 # -- predictions -----------------------------------------------------------------------------------

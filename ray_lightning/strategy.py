@@ -40,6 +40,11 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
             or ``RAY_LIGHTNING_PLACEMENT_TIMEOUT_S``.
         worker_start_timeout_s: how long started actors may take to report in (import torch, ...).
             Default 300 s, or ``RAY_LIGHTNING_WORKER_START_TIMEOUT_S``.
+        keep_workers_alive_s: after a call succeeded, the workers wait this long for the next
+            ``fit``/``test``/... of this process, which then starts at once (no new processes, no
+            imports); they keep their resources meanwhile. 0 stops them after every call. Default
+            60 s, or ``RAY_LIGHTNING_KEEP_WORKERS_ALIVE_S``; ``ray_lightning.release_idle_workers()``
+            stops them now.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` and from there to
             ``DistributedDataParallel`` (``find_unused_parameters=True``, ``static_graph=True``, ...).
 
@@ -61,6 +66,7 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
         *,
         placement_timeout_s: float | None = None,
         worker_start_timeout_s: float | None = None,
+        keep_workers_alive_s: float | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         reserved = sorted(set(_RESERVED) & set(ddp_kwargs))
@@ -71,6 +77,7 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
             init_hook,
             placement_timeout_s,
             worker_start_timeout_s,
+            keep_workers_alive_s,
         )
         super().__init__(cluster_environment=RayEnvironment(self.num_workers), **ddp_kwargs)
 

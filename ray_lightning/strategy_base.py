@@ -31,13 +31,15 @@ if TYPE_CHECKING:
 
 _DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
 _DEFAULT_WORKER_START_TIMEOUT_S = 300.0
+_DEFAULT_KEEP_WORKERS_ALIVE_S = 60.0
 
 
-def _timeout(name: str, value: float | None, env: str, default: float) -> float:
+def _seconds(name: str, value: float | None, env: str, default: float, zero_ok: bool = False) -> float:
     if value is None:
         value = float(os.environ.get(env, default))
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}.")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not zero_ok):
+        kind = "non-negative" if zero_ok else "positive"
+        raise ValueError(f"{name} must be a {kind} number of seconds, got {value!r}.")
     return float(value)
 
 
@@ -56,23 +58,31 @@ class RayWorkersMixin:
         init_hook: Callable[[], Any] | None,
         placement_timeout_s: float | None,
         worker_start_timeout_s: float | None,
+        keep_workers_alive_s: float | None,
     ) -> None:
         """Validate and keep the worker description; call before the Lightning strategy's ``__init__``."""
         if init_hook is not None and not callable(init_hook):
             raise TypeError(f"init_hook must be a function taking no arguments, got {init_hook!r}.")
         self.resources = resources
         self.init_hook = init_hook
-        self.placement_timeout_s = _timeout(
+        self.placement_timeout_s = _seconds(
             "placement_timeout_s",
             placement_timeout_s,
             "RAY_LIGHTNING_PLACEMENT_TIMEOUT_S",
             _DEFAULT_PLACEMENT_TIMEOUT_S,
         )
-        self.worker_start_timeout_s = _timeout(
+        self.worker_start_timeout_s = _seconds(
             "worker_start_timeout_s",
             worker_start_timeout_s,
             "RAY_LIGHTNING_WORKER_START_TIMEOUT_S",
             _DEFAULT_WORKER_START_TIMEOUT_S,
+        )
+        self.keep_workers_alive_s = _seconds(
+            "keep_workers_alive_s",
+            keep_workers_alive_s,
+            "RAY_LIGHTNING_KEEP_WORKERS_ALIVE_S",
+            _DEFAULT_KEEP_WORKERS_ALIVE_S,
+            zero_ok=True,
         )
         self._worker: WorkerContext | None = None
         self._rendezvous_store: Any = None
@@ -200,6 +210,14 @@ class RayWorkersMixin:
             # Lightning built it for the driver's device; a GradScaler made where CUDA is absent is
             # disabled for good, so build it anew for the device this worker trains on.
             self.precision_plugin = MixedPrecision(plugin.precision, self.root_device.type)
+
+    def _detach_worker(self) -> None:
+        """Called by the worker actor after a call succeeded: leave the process group, so that the
+        process can join the next call's."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        self._worker = None
+        self._rendezvous_store = None
 
     def set_world_ranks(self) -> None:
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank

@@ -1,16 +1,20 @@
 """The Ray actor that runs one training process, and what it does once started.
 
-Each ``fit``/``validate``/``test``/``predict`` starts ``num_workers`` :class:`RayWorker` actors
+A ``fit``/``validate``/``test``/``predict`` runs on ``num_workers`` :class:`RayWorker` actors
 (see :mod:`ray_lightning.launcher`). An actor reports where it runs (:meth:`RayWorker.node_info`),
 rank 0 opens the rendezvous store (:meth:`RayWorker.open_rendezvous`), then every actor receives its
-rank and runs the Trainer function (:meth:`RayWorker.execute`).
+rank and runs the Trainer function (:meth:`RayWorker.execute`). After a successful call the actor
+leaves the process group and can run the next call of the same process
+(:mod:`ray_lightning.idle_workers`), unless code it imported changed (:meth:`RayWorker.reusable`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
+import sysconfig
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,7 +39,9 @@ class WorkerContext:
     cuda_visible_devices: str
     device_index: int | None
     shares_gpu: bool
-    send_files: bool
+    # Rank 0 off the driver's machine writes its files under a staging directory and sends them
+    # back (ray_lightning.driver_files).
+    stage_files: bool
     env_vars: dict[str, str]
     driver_sys_path: tuple[str, ...] = ()
     # (deterministic algorithms, warn only, cudnn.benchmark) as Trainer(...) set them on the driver.
@@ -61,6 +67,8 @@ class RayWorker:
     def __init__(self, global_rank: int) -> None:
         self._store: Any = None
         self._global_rank = global_rank
+        # Modification times of the code files imported by the last call (see `reusable`).
+        self._code_files: dict[str, float] = {}
 
     def __repr__(self) -> str:
         # Ray prefixes the lines an actor prints with its repr: "(rank 1 pid=...) Epoch 0: ...".
@@ -73,6 +81,14 @@ class RayWorker:
             pid=os.getpid(),
             gpu_ids=[str(g) for g in ray.get_gpu_ids()],
         )
+
+    def reusable(self) -> bool:
+        """Whether this process may run another call: no code file it imported has changed since.
+
+        A reused process keeps the modules it imported; a module edited on disk in between (a
+        notebook user changing their code) would otherwise run stale.
+        """
+        return all(_mtime(path) == mtime for path, mtime in self._code_files.items())
 
     def open_rendezvous(self, kind: str, nodes_by_rank: list[str], timeout_s: float) -> tuple[int, list[dict]]:
         """Open the rendezvous the other workers connect to (rank 0 only); keep it open while training.
@@ -105,37 +121,50 @@ class RayWorker:
         from pytorch_lightning.trainer.states import TrainerFn
 
         from ray_lightning import accelerator as accelerator_module
-        from ray_lightning import driver_channel
+        from ray_lightning import driver_channel, driver_files
         from ray_lightning.results import PredictionRecorder, collect_worker_output
 
-        _set_environment(context)
+        saved_environment = _set_environment(context)
         for path in context.driver_sys_path:
             if path not in sys.path and os.path.isdir(path):
                 sys.path.append(path)
         trainer, function, args, kwargs = ray.get(payload[0])
-        local_copies = contextlib.ExitStack()
-        if context.checkpoint_file is not None:
-            path, data = context.checkpoint_file
-            if data is not None:
-                directory = local_copies.enter_context(tempfile.TemporaryDirectory(prefix="ray_lightning-ckpt-"))
-                path = os.path.join(directory, os.path.basename(path))
-                with open(path, "wb") as f:
-                    f.write(ray.get(data))
-            args, kwargs = _with_checkpoint_path(function, args, kwargs, path)
-        accelerator_module._IN_RAY_WORKER = True
-        driver_channel._worker_queue = context.driver_queue
+        with contextlib.ExitStack() as scratch:
+            if context.checkpoint_file is not None:
+                path, data = context.checkpoint_file
+                if data is not None:
+                    directory = scratch.enter_context(tempfile.TemporaryDirectory(prefix="ray_lightning-ckpt-"))
+                    path = os.path.join(directory, os.path.basename(path))
+                    with open(path, "wb") as f:
+                        f.write(ray.get(data))
+                args, kwargs = _with_checkpoint_path(function, args, kwargs, path)
+            staging = None
+            if context.stage_files:
+                staging = scratch.enter_context(tempfile.TemporaryDirectory(prefix="ray_lightning-out-"))
+                driver_files.stage(trainer, staging)
+            accelerator_module._IN_RAY_WORKER = True
+            driver_channel._worker_queue = context.driver_queue
 
-        strategy = trainer.strategy
-        strategy._attach_worker(context, self._store)
-        if strategy.init_hook is not None:
-            strategy.init_hook()
-        recorder = None
-        if trainer.state.fn == TrainerFn.PREDICTING:
-            recorder = PredictionRecorder()
-            trainer.callbacks.append(recorder)
-        with local_copies, _readable_output(context.rank.global_rank == 0):
-            results = function(*args, **kwargs)
-        return collect_worker_output(trainer, results, recorder, context.send_files)
+            strategy = trainer.strategy
+            strategy._attach_worker(context, self._store)
+            if strategy.init_hook is not None:
+                strategy.init_hook()
+            recorder = None
+            if trainer.state.fn == TrainerFn.PREDICTING:
+                recorder = PredictionRecorder()
+                trainer.callbacks.append(recorder)
+            with _readable_output(context.rank.global_rank == 0, progress_to_driver=context.driver_queue is not None):
+                results = function(*args, **kwargs)
+            output = collect_worker_output(trainer, results, recorder, staging)
+        # Ready for the next call of the driver: leave this call's process group and environment.
+        strategy._detach_worker()
+        self._store = None
+        driver_channel._worker_queue = None
+        _restore_environment(saved_environment)
+        del trainer, function, args, kwargs, results, strategy
+        gc.collect()
+        self._code_files = _imported_code_files()
+        return output
 
 
 def _with_checkpoint_path(function: Any, args: tuple, kwargs: dict, path: str) -> tuple[tuple, dict]:
@@ -148,13 +177,16 @@ def _with_checkpoint_path(function: Any, args: tuple, kwargs: dict, path: str) -
 
 
 @contextlib.contextmanager
-def _readable_output(enabled: bool) -> Iterator[None]:
-    """On rank 0, turn the progress bar's in-place redraws into lines Ray can forward."""
+def _readable_output(enabled: bool, progress_to_driver: bool) -> Iterator[None]:
+    """On rank 0, turn the progress bar's in-place redraws into lines Ray can forward.
+
+    With ``progress_to_driver`` the bar's states go to the driver, which draws the one bar.
+    """
     if not enabled:
         yield
         return
     original = sys.stdout
-    stream = ProgressLines(original)
+    stream = ProgressLines(original, to_driver=progress_to_driver)
     sys.stdout = stream
     try:
         yield
@@ -163,25 +195,55 @@ def _readable_output(enabled: bool) -> Iterator[None]:
         sys.stdout = original
 
 
-def _set_environment(context: WorkerContext) -> None:
+def _set_environment(context: WorkerContext) -> dict[str, str | None]:
+    """Set this call's environment; returns the previous values (None: unset) to restore afterwards."""
     import torch
 
-    os.environ.update(context.env_vars)
-    os.environ.update(
-        {
-            "LOCAL_RANK": str(context.rank.local_rank),
-            "RANK": str(context.rank.global_rank),
-            "NODE_RANK": str(context.rank.node_rank),
-            "WORLD_SIZE": str(context.world_size),
-            "LOCAL_WORLD_SIZE": str(context.rank.local_world_size),
-            "MASTER_ADDR": context.main_address,
-            "MASTER_PORT": str(context.main_port),
-            # The device follows the GPUs Ray reserved: none means none visible.
-            "CUDA_VISIBLE_DEVICES": context.cuda_visible_devices,
-        }
-    )
+    update = {
+        **context.env_vars,
+        "LOCAL_RANK": str(context.rank.local_rank),
+        "RANK": str(context.rank.global_rank),
+        "NODE_RANK": str(context.rank.node_rank),
+        "WORLD_SIZE": str(context.world_size),
+        "LOCAL_WORLD_SIZE": str(context.rank.local_world_size),
+        "MASTER_ADDR": context.main_address,
+        "MASTER_PORT": str(context.main_port),
+        # The device follows the GPUs Ray reserved: none means none visible.
+        "CUDA_VISIBLE_DEVICES": context.cuda_visible_devices,
+    }
+    previous = {name: os.environ.get(name) for name in update}
+    os.environ.update(update)
     # Ray numbers GPUs in PCI bus order; make CUDA's ordinals agree.
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     deterministic, warn_only, benchmark = context.torch_flags
     torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     torch.backends.cudnn.benchmark = benchmark
+    return previous
+
+
+def _restore_environment(previous: dict[str, str | None]) -> None:
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+# Code that is part of Python or of installed packages does not change between calls.
+_INSTALLED = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def _imported_code_files() -> dict[str, float]:
+    files = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str) and not path.startswith(_INSTALLED):
+            files[path] = _mtime(path)
+    return files
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return -1.0

@@ -38,10 +38,21 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
 def alive_worker_actors() -> list:
     from ray.util.state import list_actors
 
-    return [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "RayWorker"]
+    # This process's Ray, also when other Ray instances run on the machine.
+    address = ray.get_runtime_context().gcs_address
+    return [a for a in list_actors(address=address, filters=[("state", "=", "ALIVE")]) if a.class_name == "RayWorker"]
 
 
 @pytest.fixture(autouse=True)
 def _isolate_cwd(tmp_path, monkeypatch):
     # Lightning writes lightning_logs/ and checkpoints/ under the working directory.
     monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _release_idle_workers():
+    # Workers kept alive after a test's last fit would hold CPUs the next test counts on.
+    yield
+    import ray_lightning
+
+    ray_lightning.release_idle_workers()

@@ -1,4 +1,4 @@
-"""Putting the workers' results on the driver: prediction order and checkpoint files (no Ray needed)."""
+"""Putting the workers' results on the driver: prediction order, weights, checkpoint files (no Ray needed)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from ray_lightning.results import WorkerOutput, apply_to_driver, merge_predictions
+from ray_lightning.results import WorkerOutput, apply_to_driver, merge_predictions, pack_weights, unpack_weights
 
 Pair = namedtuple("Pair", "a b")
 
@@ -80,3 +80,34 @@ def test_checkpoint_files_from_another_node_are_written_on_the_driver(tmp_path):
     assert checkpoint.best_model_score == 0.25
     assert checkpoint.best_k_models == {best: torch.tensor(0.25)}
     assert checkpoint.dirpath == str(remote_dir)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(3, 4),
+        torch.randn(3, 4, dtype=torch.float64).t(),  # not contiguous
+        torch.tensor(7, dtype=torch.int64),  # 0-dim
+        torch.zeros(0, 5),
+        torch.tensor([True, False, True]),
+        torch.randn(5).to(torch.bfloat16),  # a dtype numpy lacks
+    ],
+    ids=["float32", "float64-transposed", "scalar", "empty", "bool", "bfloat16"],
+)
+def test_weights_survive_packing(tensor):
+    state = {"w": tensor, "extra": {"step": 3}}
+    unpacked = unpack_weights(pack_weights(state))
+    assert unpacked["w"].dtype == tensor.dtype and unpacked["w"].shape == tensor.shape
+    assert torch.equal(unpacked["w"], tensor)
+    assert unpacked["extra"] == {"step": 3}
+
+
+def test_packed_weights_load_into_the_drivers_module():
+    trained, driver = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    module = pl.LightningModule()
+    module.net = driver
+    trainer = pl.Trainer(logger=False)
+    trainer.strategy.connect(module)
+    weights = {f"net.{k}": v for k, v in trained.state_dict().items()}
+    apply_to_driver(trainer, WorkerOutput(global_rank=0, weights=pack_weights(weights)))
+    assert torch.equal(driver.weight, trained.weight) and torch.equal(driver.bias, trained.bias)

@@ -322,11 +322,11 @@ def test_killed_worker_gives_an_error_not_a_hang():
     wait_for(lambda: not alive_worker_actors(), 30, "the killed fit's actors to be gone")
 
 
-def test_repeated_fits_and_tests_leave_no_actors():
+def test_repeated_fits_and_tests_leave_no_actors_without_keep_alive():
     model = BoringModel()
     losses = []
     for _ in range(3):
-        trainer = _trainer(max_epochs=1, strategy=RayStrategy(num_workers=2))
+        trainer = _trainer(max_epochs=1, strategy=RayStrategy(num_workers=2, keep_workers_alive_s=0))
         trainer.fit(model)
         losses.append(trainer.test(model)[0]["test_loss"])
         wait_for(lambda: not alive_worker_actors(), 30, "this round's actors to be gone")

@@ -1,0 +1,98 @@
+"""Files rank 0 writes (checkpoints, CSV/TensorBoard logs) end up on the driver's machine.
+
+When rank 0 runs on another machine than the process that called ``fit`` (another node, or any
+node when the driver is a Ray Client), the paths the driver chose may not exist or be writable
+there (``/Users/alice/project`` on a Linux node). So rank 0 writes everything under a staging
+directory instead: each local absolute path ``P`` the Trainer would write under becomes
+``<staging>/P``. When the run ends, every file in the staging directory is sent back with the
+results and written at its original path on the driver, and the paths in the returned callback
+state (``best_model_path`` ...) are mapped back.
+
+Lightning has no public setter for these directories, so the attributes below are the one place
+this package touches them; ``tests/test_driver_files.py`` fails if Lightning renames them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from lightning_fabric.utilities.cloud_io import _is_local_file_protocol
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+# Where the Trainer, its loggers and checkpoint callbacks keep the directories they write into.
+_TRAINER_ATTRIBUTES = ("_default_root_dir",)
+_LOGGER_ATTRIBUTES = ("_root_dir", "_save_dir")  # CSVLogger, TensorBoardLogger (and their fabric bases)
+_CHECKPOINT_ATTRIBUTES = ("dirpath", "best_model_path", "last_model_path", "kth_best_model_path")
+
+
+def _path_holders(trainer: pl.Trainer) -> Iterator[tuple[Any, tuple[str, ...]]]:
+    yield trainer, _TRAINER_ATTRIBUTES
+    for logger in trainer.loggers:
+        yield logger, _LOGGER_ATTRIBUTES
+    for callback in trainer.callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            yield callback, _CHECKPOINT_ATTRIBUTES
+
+
+def _map_paths(trainer: pl.Trainer, mapping: Callable[[str], str]) -> None:
+    for holder, attributes in _path_holders(trainer):
+        for name in attributes:
+            value = getattr(holder, name, None)
+            if isinstance(value, (str, os.PathLike)) and _is_local_file_protocol(value) and os.fspath(value):
+                setattr(holder, name, mapping(os.fspath(value)))
+        if isinstance(holder, ModelCheckpoint):
+            holder.best_k_models = {mapping(str(k)): v for k, v in holder.best_k_models.items()}
+
+
+def make_absolute(trainer: pl.Trainer) -> None:
+    """On the driver, before launching: resolve relative directories against the driver's working directory.
+
+    Workers elsewhere have another working directory; the driver's meaning of ``"logs/"`` wins.
+    """
+    _map_paths(trainer, lambda p: os.path.abspath(os.path.expanduser(p)))
+
+
+def stage(trainer: pl.Trainer, staging: str) -> None:
+    """In rank 0 off the driver's machine: write under ``staging`` instead of the driver's paths."""
+    _map_paths(trainer, lambda p: to_staged(p, staging) if os.path.isabs(p) else p)
+
+
+def to_staged(path: str, staging: str) -> str:
+    if path.startswith(staging + os.sep):
+        return path  # staged in an earlier fit of the same worker process
+    return os.path.join(staging, os.path.splitdrive(path)[1].lstrip("/\\"))
+
+
+def from_staged(value: Any, staging: str) -> Any:
+    """``value`` (a path, or dicts/lists/tuples holding paths) with staged paths mapped back to the driver's."""
+    if isinstance(value, str):
+        return value[len(staging) :] if value.startswith(staging + os.sep) else value
+    if isinstance(value, dict):
+        return {from_staged(k, staging): from_staged(v, staging) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(from_staged(v, staging) for v in value)
+    return value
+
+
+def collect(staging: str) -> dict[str, bytes]:
+    """Every file written under ``staging``, keyed by its path on the driver."""
+    files = {}
+    for directory, _, names in os.walk(staging):
+        for name in names:
+            path = os.path.join(directory, name)
+            with open(path, "rb") as f:
+                files[from_staged(path, staging)] = f.read()
+    return files
+
+
+def write(files: dict[str, bytes]) -> None:
+    """On the driver: write the files rank 0 sent back at their paths."""
+    for path, data in files.items():
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)

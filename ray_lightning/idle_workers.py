@@ -1,0 +1,97 @@
+"""Workers kept alive between calls, so the next ``fit`` in the same process starts at once.
+
+Starting a worker means a new process that imports torch and Lightning: seconds, on every call.
+After a call that succeeded, the launcher hands its worker group here instead of stopping it; the
+next call with the same resource request takes it back (after each actor confirms that no code it
+imported has changed) and skips placement, process start and imports.
+
+Decisions:
+- At most one group waits, the last one; a call asking for other resources stops it first, since
+  it holds resources the new call may need.
+- A waiting group holds its reservation (CPUs, GPUs) for ``keep_workers_alive_s`` (default 60 s),
+  then is stopped; ``keep_workers_alive_s=0`` stops workers after every call, as before.
+- Groups started inside someone else's placement group (a Tune trial's) are never kept.
+- A failed call stops its workers: a process that failed may be in any state.
+- :func:`release_idle_workers` stops a waiting group now.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+if TYPE_CHECKING:
+    from ray_lightning.launcher import _WorkerGroup
+    from ray_lightning.resources import WorkerResources
+
+# How long `reusable` may take to answer before the group is replaced by a fresh one.
+_CHECK_TIMEOUT_S = 30.0
+
+_lock = threading.Lock()
+_idle: tuple[WorkerResources, _WorkerGroup, threading.Timer] | None = None
+
+
+def keep(request: WorkerResources, group: _WorkerGroup, seconds: float) -> None:
+    """Keep ``group`` for the next call asking for ``request``; stop it after ``seconds`` unused."""
+    global _idle
+    release_idle_workers()
+    timer = threading.Timer(seconds, _expire, args=(group,))
+    timer.daemon = True
+    with _lock:
+        _idle = (request, group, timer)
+    timer.start()
+
+
+def take(request: WorkerResources) -> _WorkerGroup | None:
+    """The waiting group if it matches ``request`` and can run another call; else None (and none waits)."""
+    global _idle
+    with _lock:
+        waiting, _idle = _idle, None
+    if waiting is None:
+        return None
+    kept_for, group, timer = waiting
+    timer.cancel()
+    if kept_for != request or not _still_usable(group):
+        group.shutdown()
+        return None
+    return group
+
+
+def release_idle_workers() -> None:
+    """Stop the workers kept alive after the last ``fit``/``test``/... of this process, if any.
+
+    Example::
+
+        trainer.fit(model)                          # workers stay for the next call...
+        ray_lightning.release_idle_workers()        # ...unless you free their resources now
+    """
+    global _idle
+    with _lock:
+        waiting, _idle = _idle, None
+    if waiting is not None:
+        waiting[2].cancel()
+        waiting[1].shutdown()
+
+
+def _expire(group: _WorkerGroup) -> None:
+    global _idle
+    with _lock:
+        if _idle is None or _idle[1] is not group:
+            return  # taken or replaced meanwhile
+        _idle = None
+    with contextlib.suppress(Exception):  # Ray may be shut down by now
+        group.shutdown()
+
+
+def _still_usable(group: _WorkerGroup) -> bool:
+    """Every actor is alive, in this Ray session, and has no changed code."""
+    if not ray.is_initialized():
+        return False
+    try:
+        refs: list[Any] = [actor.reusable.remote() for actor in group.actors]
+        return all(ray.get(refs, timeout=_CHECK_TIMEOUT_S))
+    except Exception:  # noqa: BLE001 - a dead actor, a new Ray session, a timeout: start afresh
+        return False
