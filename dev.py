@@ -3,6 +3,7 @@
 
     python3 dev.py example   # train the main example on 2 Ray workers, print the metrics that came back
     python3 dev.py test      # run the whole test suite (extra arguments go to pytest)
+    python3 dev.py bench     # run the benchmarks (benchmarks/README.md; extra arguments go to it)
 
 Extra arguments go to the example script or to pytest (`python3 dev.py example --horovod`);
 `python3 dev.py example --tune` runs the Ray Tune example (examples/tune_digits.py) instead.
@@ -165,17 +166,19 @@ def ensure_horovod() -> None:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("example", "test"):
+    if not argv or argv[0] not in ("example", "test", "bench"):
         print(__doc__)
         return 2
     ensure_venv()
-    if argv[0] == "test" or "--horovod" in argv:
+    if argv[0] in ("test", "bench") or "--horovod" in argv:
         ensure_horovod()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if argv[0] == "example" and "--tune" in argv:
         cmd = [str(PYTHON), "examples/tune_digits.py", *(a for a in argv[1:] if a != "--tune")]
     elif argv[0] == "example":
         cmd = [str(PYTHON), "examples/train_digits.py", *argv[1:]]
+    elif argv[0] == "bench":
+        cmd = [str(PYTHON), "-m", "benchmarks.run", *argv[1:]]
     else:
         cmd = [str(PYTHON), "-m", "pytest", *argv[1:]]
     print("+", " ".join(cmd), flush=True)

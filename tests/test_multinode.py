@@ -164,3 +164,29 @@ def test_resume_sends_the_drivers_checkpoint_to_workers_on_other_nodes(two_node_
     assert all(os.path.basename(p) == os.path.basename(last) for p in paths)
     assert {r["epoch"] for r in records} == {1}
     assert not any(os.path.exists(p) for p in paths), "the copies should be removed after the fit"
+
+
+def test_logs_and_checkpoints_of_rank_zero_on_another_node_land_on_the_driver(two_node_cluster, tmp_path):
+    # Rank 0 runs on another node than the driver: it writes under a staging directory there, and
+    # everything comes back to the paths the driver chose (here relative to its working directory).
+    from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+
+    loggers = [CSVLogger("logs"), TensorBoardLogger("tb")]
+    checkpoint = ModelCheckpoint(monitor="val_loss")
+    strategy = RayStrategy(num_workers=2, resources_per_worker={"CPU": 1, "worker_slot": 1})
+    trainer = pl.Trainer(max_epochs=2, strategy=strategy, callbacks=[checkpoint], logger=loggers, log_every_n_steps=1)
+    model = BoringModel()
+    trainer.fit(model)
+
+    csv_dir = tmp_path / "logs" / "lightning_logs" / "version_0"
+    assert trainer.logger.log_dir == str(csv_dir)
+    rows = (csv_dir / "metrics.csv").read_text().splitlines()
+    assert rows[0].split(",").count("val_loss") == 1 and len(rows) > 2
+    assert list((tmp_path / "tb" / "lightning_logs" / "version_0").glob("events.out.tfevents.*"))
+    assert checkpoint.best_model_path.startswith(str(csv_dir / "checkpoints"))
+    transferred = trainer.strategy.launcher.transferred_files
+    assert checkpoint.best_model_path in transferred and str(csv_dir / "metrics.csv") in transferred
+    BoringModel.load_from_checkpoint(checkpoint.best_model_path)
+
+    # "best" means the file on the driver's machine; workers elsewhere get a copy.
+    assert trainer.test(model, ckpt_path="best", verbose=False)[0]["test_loss"] > 0

@@ -1,12 +1,16 @@
-"""Rank 0's progress bar arrives on the driver as readable lines (real tqdm, no Ray needed)."""
+"""Rank 0's progress bar: picked out of its output (real tqdm), drawn by the driver."""
 
 from __future__ import annotations
 
 import io
 
+import pytest
+import pytorch_lightning as pl
 from tqdm import tqdm
 
-from ray_lightning.output import ProgressLines
+from ray_lightning import RayStrategy, driver_channel, output
+from ray_lightning.output import ProgressLines, show_progress
+from tests.models import BoringModel
 
 
 def _bar_into(stream, steps: int = 50, leave: bool = True, desc: str = "Epoch 0") -> None:
@@ -58,3 +62,52 @@ def test_plain_prints_pass_through_and_cursor_moves_are_dropped():
     stream.write("\x1b[A\rValidation 3/4\r\x1b[B")
     stream.close_line()
     assert target.getvalue() == "hello from rank 0\nValidation 3/4\n"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_driver_redraws_one_bar_in_place_on_a_terminal(monkeypatch):
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stdout", terminal)
+    monkeypatch.setattr(output, "_drawn", 0)
+    show_progress("Epoch 0:  50%|#####     | 2/4", done=False)
+    show_progress("Epoch 0: 100%|##########| 4/4", done=True)
+    show_progress("Epoch 1:   0%|", done=False)
+    assert terminal.getvalue() == (
+        "\rEpoch 0:  50%|#####     | 2/4\rEpoch 0: 100%|##########| 4/4\n\rEpoch 1:   0%|"
+    )
+
+
+def test_the_driver_writes_lines_where_it_cannot_redraw(monkeypatch):
+    log = io.StringIO()
+    monkeypatch.setattr("sys.stdout", log)
+    show_progress("Epoch 0:  50%|", done=False)
+    show_progress("Epoch 0: 100%|", done=True)
+    assert log.getvalue() == "Epoch 0:  50%|\nEpoch 0: 100%|\n"
+
+
+def test_rank_zeros_bar_states_go_to_the_driver(monkeypatch):
+    sent = []
+    monkeypatch.setattr(driver_channel, "send_to_driver", lambda fn, *args: sent.append((fn, args)))
+    console = io.StringIO()
+    stream = ProgressLines(console, interval_s=3600, to_driver=True)
+    print("a plain line", file=stream)
+    _bar_into(stream, steps=3)
+    stream.close_line()
+    assert console.getvalue() == "a plain line\n"  # forwarded by Ray with the rank prefix
+    assert [args[1] for _, args in sent] == [False, True]
+    assert sent[-1][0] is show_progress and sent[-1][1][0].startswith("Epoch 0: 100%")
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_fit_shows_rank_zeros_bar_on_the_drivers_console(capsys):
+    trainer = pl.Trainer(
+        max_epochs=1, strategy=RayStrategy(num_workers=2), logger=False, enable_checkpointing=False
+    )
+    trainer.fit(BoringModel())
+    lines = capsys.readouterr().out.splitlines()
+    # Ray prefixes what it forwards from a worker with "(rank N pid=...)"; these come from the driver.
+    assert any(line.startswith("Epoch 0: 100%") and "4/4" in line for line in lines), lines
