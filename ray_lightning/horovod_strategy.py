@@ -237,6 +237,8 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
             return tensor
         if group is not None:
             raise ValueError("Horovod cannot reduce over a sub-group of workers; leave `group` unset.")
+        if not self._in_horovod():
+            return tensor
         hvd = self._hvd
         op = _horovod_op(hvd, reduce_op)
         with torch.inference_mode(False):
@@ -246,20 +248,25 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         if group is not None:
             raise ValueError("Horovod cannot gather over a sub-group of workers; leave `group` unset.")
         # Same shape as DDP's all_gather: (world_size, *tensor.shape).
+        if not self._in_horovod():
+            return tensor.unsqueeze(0)
         with torch.inference_mode(False), contextlib.nullcontext() if sync_grads else torch.no_grad():
             return self._hvd.allgather(_writable(tensor).unsqueeze(0))
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         # A fixed name: Horovod names the collective after type(obj) otherwise, and ranks holding
         # different types (`x if rank == 0 else None`) would wait for each other forever.
+        if not self._in_horovod():
+            return obj
         return self._hvd.broadcast_object(obj, root_rank=src, name="ray_lightning.broadcast")
 
     def barrier(self, name: str | None = None) -> None:
-        if self._worker is None:
-            return
-        hvd = self._hvd
-        if hvd.is_initialized():
-            hvd.join(self.root_device.index if self.root_device.type == "cuda" else -1)
+        if self._in_horovod():
+            self._hvd.join(self.root_device.index if self.root_device.type == "cuda" else -1)
+
+    def _in_horovod(self) -> bool:
+        """In a worker with Horovod running; on the driver (``trainer.log_dir`` after fit...) collectives are no-ops."""
+        return self._worker is not None and self._hvd.is_initialized()
 
     def _detach_worker(self) -> None:
         # The next call's workers meet through a new rendezvous: start Horovod afresh then.

@@ -79,7 +79,16 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
             worker_start_timeout_s,
             keep_workers_alive_s,
         )
-        super().__init__(cluster_environment=RayEnvironment(self.num_workers), **ddp_kwargs)
+        # The arguments set here by name are the ones RayStrategy decides; naming them also keeps
+        # LightningCLI/jsonargparse, which follows **ddp_kwargs into DDPStrategy, from offering them.
+        super().__init__(
+            accelerator=None,
+            parallel_devices=None,
+            cluster_environment=RayEnvironment(self.num_workers),
+            checkpoint_io=None,
+            start_method="popen",
+            **ddp_kwargs,
+        )
 
     def _get_process_group_backend(self) -> str:
         if self._process_group_backend:

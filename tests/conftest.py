@@ -22,7 +22,14 @@ def ray_local():
         ray.shutdown()
         # Tune's trial processes import the tests' modules by name, as a user's would import theirs.
         runtime_env = {"env_vars": {"PYTHONPATH": str(ROOT)}}
-        ray.init(num_cpus=SESSION_CPUS, resources=SESSION_RESOURCES, include_dashboard=True, runtime_env=runtime_env)
+        # address="local": a new Ray of our own, even when another one runs on this machine.
+        ray.init(
+            address="local",
+            num_cpus=SESSION_CPUS,
+            resources=SESSION_RESOURCES,
+            include_dashboard=True,
+            runtime_env=runtime_env,
+        )
     yield ray
 
 
