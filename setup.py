@@ -27,6 +27,11 @@ setup(
             "nbclient",
             "nbformat",
             "ruff",
+            # The Hydra app example (examples/hydra_app.py).
+            "hydra-core>=1.3",
+            # LightningCLI (examples/cli_digits.py): pytorch_lightning.cli needs jsonargparse[signatures]>=4.27.7;
+            # Lightning's own "extra" pins >=4.39, the range it is tested with.
+            "jsonargparse[signatures]>=4.39",
         ],
     },
     classifiers=[

@@ -1,16 +1,23 @@
-"""A real Jupyter kernel: a module defined in the notebook trains twice, then tests, with RayAccelerator."""
+"""Real Jupyter kernels: a module defined in a notebook, and examples/train_digits_notebook.ipynb as a user runs it."""
 
 from __future__ import annotations
 
+import math
+import re
+import shutil
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from tests.subprocess_util import EXAMPLES, ROOT, example_env
+
+EXAMPLE_NOTEBOOK = EXAMPLES / "train_digits_notebook.ipynb"
+
 CELLS = [
     # The kernel starts its own local Ray, as a user's notebook would.
-    f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})",
+    f"import sys; sys.path.insert(0, {str(ROOT)!r})",
     """
 import pytorch_lightning as pl, torch
 from torch import nn
@@ -51,15 +58,63 @@ assert losses[1] < losses[0], losses
 ]
 
 
+def _execute(notebook: nbformat.NotebookNode, cwd: Path) -> None:
+    """Run every cell in a fresh python3 kernel started in ``cwd``; fail with the failing cell's error."""
+    client = NotebookClient(notebook, timeout=450, kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
+    try:
+        client.execute(env=example_env())
+    except Exception as error:
+        pytest.fail(f"notebook failed: {error}")
+
+
+def _stream_text(cell: nbformat.NotebookNode) -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
+
+
+@pytest.mark.timeout(900)
 def test_fit_twice_and_test_in_a_jupyter_kernel(tmp_path):
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in CELLS])
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    client = NotebookClient(
-        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    )
+    _execute(notebook, tmp_path)
+    assert "LOSSES" in _stream_text(notebook.cells[-1])
+
+
+def test_example_notebook_is_stored_without_outputs():
+    notebook = nbformat.read(EXAMPLE_NOTEBOOK, as_version=4)
+    nbformat.validate(notebook)
+    code_cells = [c for c in notebook.cells if c.cell_type == "code"]
+    assert code_cells and all(not c.outputs and c.execution_count is None for c in code_cells)
+
+
+@pytest.mark.timeout(900)
+def test_example_notebook_fits_twice_on_two_workers():
+    notebook = nbformat.read(EXAMPLE_NOTEBOOK, as_version=4)
+    # From examples/, as a user opening the notebook there: `from train_digits import ...` finds the file.
+    _execute(notebook, EXAMPLES)
+    text = "\n".join(_stream_text(cell) for cell in notebook.cells if cell.cell_type == "code")
+    root_dir = Path(re.search(r"^logs and checkpoints in (\S+)$", text, re.M)[1])
     try:
-        client.execute()
-    except Exception as error:  # show the failing cell's output
-        pytest.fail(f"notebook failed: {error}")
-    outputs = "".join(o.get("text", "") for o in notebook.cells[-1].outputs if o.get("output_type") == "stream")
-    assert "LOSSES" in outputs
+        assert "ray_lightning: 2 worker(s)" in text
+        # The metrics that came back, as each fit's cell displays them.
+        shown = [o.data["text/plain"] for c in notebook.cells for o in c.get("outputs", ()) if "data" in o]
+        assert len([s for s in shown if "'val_acc': tensor(" in s and "'val_loss': tensor(" in s]) == 2, shown
+
+        rows = {
+            name: (int(epochs), int(steps), float(loss), float(acc))
+            for name, epochs, steps, loss, acc in re.findall(
+                r"^(fit \d)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", text, re.M
+            )
+        }
+        assert set(rows) == {"fit 1", "fit 2"}, text
+        # 1400 training samples split between 2 workers, batches of 64: 11 optimizer steps per epoch.
+        steps_per_epoch = math.ceil(1400 / 2 / 64)
+        assert rows["fit 1"][:2] == (2, 2 * steps_per_epoch), rows
+        # The second fit resumed at epoch 2 instead of starting over.
+        assert rows["fit 2"][:2] == (5, 5 * steps_per_epoch), rows
+        assert rows["fit 2"][2] < rows["fit 1"][2] and rows["fit 2"][3] > 0.8, rows
+
+        best = Path(re.search(r"^best checkpoint: (\S+)$", text, re.M)[1])
+        assert best.is_file() and best.is_relative_to(root_dir), best
+        assert "reloaded: DigitsClassifier" in text
+    finally:
+        shutil.rmtree(root_dir, ignore_errors=True)
