@@ -16,14 +16,6 @@ HOROVOD = ("--trainer.strategy=ray_lightning.HorovodRayStrategy", "--trainer.str
 # DDPStrategy arguments that RayStrategy sets itself and refuses from its caller.
 RESERVED = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "start_method")
 
-# Known ray_lightning defect, reported to the lead: RayStrategy hands **ddp_kwargs to DDPStrategy, so
-# jsonargparse offers DDPStrategy's own `accelerator`, `parallel_devices`, `checkpoint_io` and `start_method`
-# as RayStrategy options and passes their defaults, which RayStrategy refuses ("RayStrategy sets accelerator,
-# checkpoint_io, parallel_devices, start_method itself; do not pass them."). Passing those four explicitly in
-# RayStrategy.__init__'s super().__init__(...) call hides them from jsonargparse; remove this mark with that fix.
-ray_strategy_cli_defect = pytest.mark.xfail(
-    strict=True, reason="RayStrategy refuses the DDPStrategy defaults jsonargparse passes through **ddp_kwargs"
-)
 needs_horovod = pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="Horovod is not installed")
 
 
@@ -33,7 +25,6 @@ def _trained_on_two_workers(output: str, strategy: str) -> None:
     assert summary and 0.0 <= float(summary[1]) <= 1.0
 
 
-@ray_strategy_cli_defect
 @pytest.mark.timeout(420)
 def test_fit_with_ray_strategy_on_two_workers(tmp_path):
     result = run_example("cli_digits.py", "fit", *RAY, *TINY, cwd=tmp_path, timeout_s=360)
@@ -42,7 +33,6 @@ def test_fit_with_ray_strategy_on_two_workers(tmp_path):
     assert list(tmp_path.glob("lightning_logs/version_0/checkpoints/*.ckpt")), explain(result)
 
 
-@ray_strategy_cli_defect
 @pytest.mark.timeout(180)
 def test_print_config_lists_ray_and_ddp_arguments(tmp_path):
     result = run_example("cli_digits.py", "fit", *RAY, "--print_config", cwd=tmp_path, timeout_s=150, stderr_apart=True)
@@ -75,7 +65,7 @@ def test_horovod_config_printed_then_fit_from_it(tmp_path):
 @pytest.mark.parametrize(
     "strategy",
     [
-        pytest.param("RayStrategy", marks=ray_strategy_cli_defect),
+        "RayStrategy",
         pytest.param("HorovodRayStrategy", marks=needs_horovod),
     ],
 )
