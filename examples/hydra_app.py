@@ -46,8 +46,7 @@ def main(cfg: DictConfig) -> float:
         "epochs": trainer.current_epoch,
         "global_step": trainer.global_step,
         "best_checkpoint": checkpoint.best_model_path if checkpoint else None,
-        # The logger's own directory: trainer.log_dir is a collective, and HorovodRayStrategy's fails off the workers.
-        "log_dir": trainer.logger.log_dir if trainer.logger else None,
+        "log_dir": trainer.log_dir,
     }
     (output_dir / "metrics.json").write_text(json.dumps(results, indent=2))
     print(f"hydra_app: val_acc={results['metrics']['val_acc']:.4f}, results in {output_dir / 'metrics.json'}")
