@@ -251,30 +251,17 @@ def test_ray_client_fit_brings_back_weights_metrics_checkpoints_and_logs(client_
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotOnDriver,
-    reason="core: of the files rank 0 writes on another node, only checkpoints are sent back to the driver "
-    "(results.collect_worker_output); the loggers' metrics.csv and TensorBoard events stay on rank 0's node",
-)
 def test_ray_client_fit_with_relative_save_dir(client_cluster, tmp_path):
-    """``save_dir="logs"``: rank 0, on the worker node, writes under that node's cwd, as on another machine."""
+    """``save_dir="logs"`` means the driver's working directory, although rank 0 runs elsewhere."""
     report = _run_client_driver(client_cluster, tmp_path, node="worker", relative=True)
-    # The checkpoints come back (their relative paths land relative to the driver's cwd) ...
     assert report["best_model_path"] in report["transferred_files"], report["transferred_files"]
-    # ... the logs do not.
     _check_client_fit(report, tmp_path)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotOnDriver,
-    reason="core: under Ray Client, ray.get_runtime_context().get_node_id() on the driver is the head's node "
-    "(the client server's), so rank 0 on the head sends nothing back: no checkpoints, no logs reach the client",
-)
 def test_ray_client_fit_with_rank_zero_on_the_head(client_cluster, tmp_path):
-    """``save_dir="logs"`` with the workers on the head node, where Ray thinks the client's driver is."""
+    """``save_dir="logs"`` with the workers on the head node, where Ray places the client's driver: the
+    client's machine is still another one, so the files come back."""
     report = _run_client_driver(client_cluster, tmp_path, node="head", relative=True)
     _check_client_fit(report, tmp_path)
 
