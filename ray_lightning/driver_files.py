@@ -3,10 +3,12 @@
 When rank 0 runs on another machine than the process that called ``fit`` (another node, or any
 node when the driver is a Ray Client), the paths the driver chose may not exist or be writable
 there (``/Users/alice/project`` on a Linux node). So rank 0 writes everything under a staging
-directory instead: each local absolute path ``P`` the Trainer would write under becomes
-``<staging>/P``. When the run ends, every file in the staging directory is sent back with the
-results and written at its original path on the driver, and the paths in the returned callback
-state (``best_model_path`` ...) are mapped back.
+directory instead (``<tmp>/<name the launcher chose>``): each local absolute path ``P`` the
+Trainer would write under becomes ``<staging>/P``. When the call ends, every file in the staging
+directory is sent back with the results and written at its original path on the driver; if it
+fails, the launcher fetches them from rank 0's node (:func:`fetch_after_failure`), so a crash
+loses no checkpoint. The checkpoint callbacks' state, in the ``.ckpt`` files and sent back, holds
+the driver's paths.
 
 Lightning has no public setter for these directories, so the attributes below are the one place
 this package touches them; ``tests/test_driver_files.py`` fails if Lightning renames them.
@@ -15,9 +17,12 @@ this package touches them; ``tests/test_driver_files.py`` fails if Lightning ren
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import ray
 from lightning_fabric.utilities.cloud_io import _is_local_file_protocol
 from pytorch_lightning.callbacks import ModelCheckpoint
 
@@ -57,9 +62,32 @@ def make_absolute(trainer: pl.Trainer) -> None:
     _map_paths(trainer, lambda p: os.path.abspath(os.path.expanduser(p)))
 
 
+def staging_dir(name: str) -> str:
+    """The staging directory called ``name`` on this node."""
+    return os.path.join(tempfile.gettempdir(), name)
+
+
 def stage(trainer: pl.Trainer, staging: str) -> None:
     """In rank 0 off the driver's machine: write under ``staging`` instead of the driver's paths."""
+    os.makedirs(staging, exist_ok=True)
     _map_paths(trainer, lambda p: to_staged(p, staging) if os.path.isabs(p) else p)
+    for callback in trainer.callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            _translate_state(callback, staging)
+
+
+def _translate_state(callback: ModelCheckpoint, staging: str) -> None:
+    """The callback's state speaks of the driver's paths: in checkpoints, on resume, sent back."""
+    state_dict, load_state_dict = callback.state_dict, callback.load_state_dict
+
+    def driver_state() -> dict[str, Any]:
+        return from_staged(state_dict(), staging)
+
+    def load_driver_state(state: dict[str, Any]) -> None:
+        load_state_dict(_staged_value(state, staging))
+
+    callback.state_dict = driver_state  # type: ignore[method-assign]
+    callback.load_state_dict = load_driver_state  # type: ignore[method-assign]
 
 
 def to_staged(path: str, staging: str) -> str:
@@ -79,6 +107,17 @@ def from_staged(value: Any, staging: str) -> Any:
     return value
 
 
+def _staged_value(value: Any, staging: str) -> Any:
+    """The inverse of :func:`from_staged`: absolute paths in ``value`` moved under ``staging``."""
+    if isinstance(value, str):
+        return to_staged(value, staging) if os.path.isabs(value) else value
+    if isinstance(value, dict):
+        return {_staged_value(k, staging): _staged_value(v, staging) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_staged_value(v, staging) for v in value)
+    return value
+
+
 def collect(staging: str) -> dict[str, bytes]:
     """Every file written under ``staging``, keyed by its path on the driver."""
     files = {}
@@ -88,6 +127,28 @@ def collect(staging: str) -> dict[str, bytes]:
             with open(path, "rb") as f:
                 files[from_staged(path, staging)] = f.read()
     return files
+
+
+def collect_and_remove(name: str) -> dict[str, bytes]:
+    """On rank 0's node: the files of the staging directory ``name``, which is then removed."""
+    staging = staging_dir(name)
+    files = collect(staging)
+    shutil.rmtree(staging, ignore_errors=True)
+    return files
+
+
+def fetch_after_failure(node_id: str, name: str, timeout_s: float) -> list[str]:
+    """After a failed call: bring what rank 0 staged on ``node_id`` to the driver; returns the paths written.
+
+    Runs as a 0-CPU task on that node, so it needs none of the resources the workers held.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0, max_retries=0)(collect_and_remove)
+    on_node = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    files = ray.get(task.options(scheduling_strategy=on_node).remote(name), timeout=timeout_s)
+    write(files)
+    return sorted(files)
 
 
 def write(files: dict[str, bytes]) -> None:

@@ -37,11 +37,11 @@ _idle: tuple[WorkerResources, _WorkerGroup, threading.Timer] | None = None
 def keep(request: WorkerResources, group: _WorkerGroup, seconds: float) -> None:
     """Keep ``group`` for the next call asking for ``request``; stop it after ``seconds`` unused."""
     global _idle
-    release_idle_workers()
     timer = threading.Timer(seconds, _expire, args=(group,))
     timer.daemon = True
     with _lock:
-        _idle = (request, group, timer)
+        replaced, _idle = _idle, (request, group, timer)
+    _stop(replaced)
     timer.start()
 
 
@@ -54,7 +54,12 @@ def take(request: WorkerResources) -> _WorkerGroup | None:
         return None
     kept_for, group, timer = waiting
     timer.cancel()
-    if kept_for != request or not _still_usable(group):
+    try:
+        usable = kept_for == request and _still_usable(group)
+    except BaseException:  # Ctrl-C while asking: the group is no one's now
+        group.shutdown()
+        raise
+    if not usable:
         group.shutdown()
         return None
     return group
@@ -71,6 +76,10 @@ def release_idle_workers() -> None:
     global _idle
     with _lock:
         waiting, _idle = _idle, None
+    _stop(waiting)
+
+
+def _stop(waiting: tuple[WorkerResources, _WorkerGroup, threading.Timer] | None) -> None:
     if waiting is not None:
         waiting[2].cancel()
         waiting[1].shutdown()
@@ -82,16 +91,16 @@ def _expire(group: _WorkerGroup) -> None:
         if _idle is None or _idle[1] is not group:
             return  # taken or replaced meanwhile
         _idle = None
-    with contextlib.suppress(Exception):  # Ray may be shut down by now
+    with contextlib.suppress(Exception):
         group.shutdown()
 
 
 def _still_usable(group: _WorkerGroup) -> bool:
     """Every actor is alive, in this Ray session, and has no changed code."""
-    if not ray.is_initialized():
+    if not group.in_current_session():
         return False
     try:
         refs: list[Any] = [actor.reusable.remote() for actor in group.actors]
         return all(ray.get(refs, timeout=_CHECK_TIMEOUT_S))
-    except Exception:  # noqa: BLE001 - a dead actor, a new Ray session, a timeout: start afresh
+    except Exception:  # noqa: BLE001 - a dead actor, a timeout: start afresh
         return False

@@ -28,6 +28,7 @@ import inspect
 import logging
 import os
 import sys
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +111,8 @@ class RayLauncher(_Launcher):
     def __init__(self, strategy: RayWorkersMixin) -> None:
         self._strategy = strategy
         self._group: _WorkerGroup | None = None
+        # (rank 0's node id, staging directory name) while a call whose rank 0 stages its files runs.
+        self._staging: tuple[str, str] | None = None
         # Checkpoint files the last launch copied from rank 0's node onto the driver's machine.
         self.transferred_files: list[str] = []
 
@@ -124,9 +127,6 @@ class RayLauncher(_Launcher):
             strategy._check_trainer(trainer)
         ensure_ray_initialized()
         enclosing = get_current_placement_group()
-        group = idle_workers.take(request) if enclosing is None else None
-        if group is None and enclosing is None:
-            check_cluster_can_hold(request, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
         if trainer is not None:
             for logger in trainer.loggers:
                 # Fix the version (e.g. lightning_logs/version_3) here, so rank 0 writes where
@@ -136,12 +136,15 @@ class RayLauncher(_Launcher):
         payload = _put_payload(trainer, function, args, kwargs)
         checkpoint = _checkpoint_argument(function, args, kwargs, trainer)
 
+        group = idle_workers.take(request) if enclosing is None else None
         if group is None:
             if enclosing is not None:
                 group = _WorkerGroup.start_in(enclosing, request)
             else:
+                check_cluster_can_hold(request, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
                 group = _WorkerGroup.start(request, strategy.placement_timeout_s)
         self._group = group
+        self._staging = None
         succeeded = False
         try:
             channel = group.channel() if trainer is not None and _needs_channel(trainer) else None
@@ -156,6 +159,8 @@ class RayLauncher(_Launcher):
                 idle_workers.keep(request, group, strategy.keep_workers_alive_s)
             else:
                 group.shutdown()
+            if not succeeded and self._staging is not None:
+                self._fetch_staged_files()
 
         rank_zero = next(o for o in outputs if o is not None and o.trainer_state is not None)
         if trainer is None:
@@ -190,6 +195,10 @@ class RayLauncher(_Launcher):
             self._strategy._rendezvous, nodes_by_rank, self._strategy.worker_start_timeout_s
         )
         driver_node = _driver_node_id()
+        # Rank 0 off the driver's machine writes into a staging directory of this name on its node.
+        self._staging = None
+        if infos[0].node_id != driver_node:
+            self._staging = (infos[0].node_id, f"ray_lightning-staging-{uuid.uuid4().hex[:12]}")
         # Workers on this machine read the file where it is, by its absolute path (their working
         # directory is not the driver's).
         local = (checkpoint, None) if checkpoint is not None else None
@@ -227,7 +236,7 @@ class RayLauncher(_Launcher):
                 cuda_visible_devices=visible,
                 device_index=index,
                 shares_gpu=shared,
-                stage_files=rank.global_rank == 0 and info.node_id != driver_node,
+                staging_name=self._staging[1] if self._staging and rank.global_rank == 0 else None,
                 env_vars={**env, **rank_env[rank.global_rank]},
                 driver_sys_path=sys_path if info.node_id == driver_node else (),
                 torch_flags=torch_flags,
@@ -237,6 +246,20 @@ class RayLauncher(_Launcher):
             for rank, info, (visible, index) in zip(ranks, infos, devices)
         ]
 
+    def _fetch_staged_files(self) -> None:
+        """After a failure: copy what rank 0 had written on its node (checkpoints, logs) to the driver."""
+        assert self._staging is not None
+        node_id, name = self._staging
+        self._staging = None
+        try:
+            written = driver_files.fetch_after_failure(node_id, name, self._strategy.worker_start_timeout_s)
+        except Exception as error:  # noqa: BLE001 - the node may be gone; the failure itself is what matters
+            log.warning("ray_lightning: could not fetch the files rank 0 wrote before the failure: %s", error)
+            return
+        self.transferred_files = written
+        if written:
+            log.warning("ray_lightning: copied what rank 0 wrote before the failure: %s", ", ".join(written))
+
     def kill(self, signum: Any) -> None:
         if self._group is not None:
             self._group.shutdown()
@@ -244,7 +267,7 @@ class RayLauncher(_Launcher):
     def __getstate__(self) -> dict:
         # Shipped to the workers inside the Trainer: actor handles stay on the driver.
         state = self.__dict__.copy()
-        state["_group"] = None
+        state["_group"] = state["_staging"] = None
         return state
 
 
@@ -342,6 +365,11 @@ class _WorkerGroup:
         self.infos: list[NodeInfo] = []
         self.calls = 0  # calls run so far: more than 0 when the group is reused
         self._channel: DriverChannel | None = None
+        self._session = _ray_session()
+
+    def in_current_session(self) -> bool:
+        """Whether the Ray this group was started in is still the one this process is connected to."""
+        return ray.is_initialized() and _ray_session() == self._session
 
     def channel(self) -> DriverChannel:
         """The queue workers send driver calls through; made on first use, kept as long as the group."""
@@ -505,6 +533,10 @@ class _WorkerGroup:
         return RayWorkerError(message, rank=rank)
 
     def shutdown(self) -> None:
+        if not self.in_current_session():
+            # Its Ray is gone, and the actors with it. Ray calls now would start a new local Ray.
+            self.actors, self._channel = [], None
+            return
         for actor in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
@@ -515,6 +547,14 @@ class _WorkerGroup:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.pg)
         self.actors = []
+
+
+def _ray_session() -> str | None:
+    """Identifies the Ray session this process is connected to (None if none)."""
+    if not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    return f"{context.gcs_address}/{context.get_job_id()}"
 
 
 def _cause(error: RayTaskError) -> BaseException | None:

@@ -122,6 +122,8 @@ class ProgressLines(io.TextIOBase):
 # -- on the driver -----------------------------------------------------------------------------------
 
 _drawn = 0  # length of the bar state drawn in place on the driver's current line, 0 if none
+_last_line = -math.inf  # when a state was last written as a line of its own
+_LINE_INTERVAL_S = 1.0  # where states become lines (logs, pipes), at most one per second
 
 
 def show_progress(line: str, done: bool) -> None:
@@ -129,9 +131,13 @@ def show_progress(line: str, done: bool) -> None:
 
     A finished bar (``done``) stays on its line; the next one starts below it.
     """
-    global _drawn
+    global _drawn, _last_line
     out = sys.stdout
     if not _redraws_in_place(out):
+        now = time.monotonic()
+        if not done and now - _last_line < _LINE_INTERVAL_S:
+            return
+        _last_line = now
         out.write(line + "\n")
     else:
         out.write("\r" + line.ljust(_drawn) + ("\n" if done else ""))

@@ -10,6 +10,7 @@ dataset order.
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ class WorkerOutput:
     # (state_key, state) in the workers' callback order; two callbacks may share a state_key.
     callback_states: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     files: dict[str, bytes] = field(default_factory=dict)
+    staged: bool = False  # rank 0 wrote its files elsewhere and sent them: `files` is all there is
     predictions: list[tuple[int, list[int], Any]] | None = None
     num_predict_dataloaders: int = 0
     return_predictions: bool = False
@@ -115,8 +117,25 @@ def collect_worker_output(
                 state = driver_files.from_staged(state, staging)
             output.callback_states.append((callback.state_key, move_data_to_device(state, "cpu")))
     if staging is not None:
+        output.staged = True
         output.files = driver_files.collect(staging)
+        # Checkpoint callbacks added in the workers (configure_callbacks) wrote to their own paths.
+        for path in _checkpoint_files(trainer):
+            if not path.startswith(staging + os.sep):
+                with open(path, "rb") as f:
+                    output.files[path] = f.read()
     return output
+
+
+def _checkpoint_files(trainer: pl.Trainer) -> set[str]:
+    paths: set[str] = set()
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            paths.update(str(p) for p in callback.best_k_models)
+            paths.update(
+                str(p) for p in (callback.best_model_path, callback.last_model_path, callback.kth_best_model_path)
+            )
+    return {p for p in paths if p and os.path.isfile(p)}
 
 
 def pack_weights(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -130,7 +149,7 @@ def pack_weights(state_dict: dict[str, Any]) -> dict[str, Any]:
     packed: dict[str, Any] = {}
     for name, value in state_dict.items():
         if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_quantized:
-            tensor = value.detach().cpu().contiguous()
+            tensor = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
             data = tensor.reshape(-1).view(torch.uint8).numpy()
             packed[name] = _PackedTensor(tensor.dtype, tuple(tensor.shape), data)
         else:
@@ -158,12 +177,17 @@ class _PackedTensor:
 def apply_to_driver(trainer: pl.Trainer, output: WorkerOutput) -> None:
     """Make the driver's Trainer and module look as if rank 0's run had happened here."""
     if output.weights is not None:
+        module = trainer.lightning_module
         with warnings.catch_warnings():
             # The tensors read the object store's read-only memory in place; load_state_dict only copies from them.
             warnings.filterwarnings("ignore", message=".*not writable.*")
             weights = unpack_weights(output.weights)
+        # Parameters and buffers are copied into; other state (torchmetrics' states, extra state) may
+        # be kept as given, so it gets memory of its own instead of the object store's.
+        copied = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
+        weights = {k: v if k in copied or not isinstance(v, torch.Tensor) else v.clone() for k, v in weights.items()}
         # Non-strict like Lightning's ddp_spawn: layers may have been added in the workers' setup hooks.
-        trainer.lightning_module.load_state_dict(weights, strict=False)
+        module.load_state_dict(weights, strict=False)
         output.weights = weights = None  # release the object store's memory
     if output.trainer_state is not None:
         trainer.state = output.trainer_state
@@ -184,11 +208,20 @@ def apply_to_driver(trainer: pl.Trainer, output: WorkerOutput) -> None:
         if match is None:
             continue
         state = remaining.pop(match)[1]
+        superseded: set[str] = set()
         if isinstance(callback, ModelCheckpoint):
             # load_state_dict only restores everything when dirpath matches; the driver never resolved one.
             callback.dirpath = state.get("dirpath", callback.dirpath)
             callback.current_score = state.get("current_score")
+            superseded = {*callback.best_k_models, callback.last_model_path}
         callback.load_state_dict(state)
+        if isinstance(callback, ModelCheckpoint) and output.staged:
+            # Rank 0 removed the files it replaced (save_top_k) in its staging directory, where the
+            # earlier calls' files never were: remove them here, as Lightning would have.
+            kept = {*callback.best_k_models, callback.best_model_path, callback.last_model_path}
+            for path in superseded - kept - set(output.files):
+                if path and os.path.isfile(path):
+                    os.remove(path)
     driver_files.write(output.files)
 
 

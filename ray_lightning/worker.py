@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import shutil
 import sys
 import sysconfig
 import tempfile
@@ -39,9 +40,9 @@ class WorkerContext:
     cuda_visible_devices: str
     device_index: int | None
     shares_gpu: bool
-    # Rank 0 off the driver's machine writes its files under a staging directory and sends them
-    # back (ray_lightning.driver_files).
-    stage_files: bool
+    # Rank 0 off the driver's machine writes its files under the staging directory of this name and
+    # sends them back (ray_lightning.driver_files); None elsewhere.
+    staging_name: str | None
     env_vars: dict[str, str]
     driver_sys_path: tuple[str, ...] = ()
     # (deterministic algorithms, warn only, cudnn.benchmark) as Trainer(...) set them on the driver.
@@ -118,13 +119,15 @@ class RayWorker:
         the device environment must be set before anything could initialise CUDA, and the module
         may come from a directory only the driver had on ``sys.path``.
         """
+        import torch
         from pytorch_lightning.trainer.states import TrainerFn
 
         from ray_lightning import accelerator as accelerator_module
         from ray_lightning import driver_channel, driver_files
         from ray_lightning.results import PredictionRecorder, collect_worker_output
 
-        saved_environment = _set_environment(context)
+        saved_environment = dict(os.environ)  # this call's variables, and those it sets itself, go afterwards
+        _set_environment(context)
         for path in context.driver_sys_path:
             if path not in sys.path and os.path.isdir(path):
                 sys.path.append(path)
@@ -138,9 +141,9 @@ class RayWorker:
                     with open(path, "wb") as f:
                         f.write(ray.get(data))
                 args, kwargs = _with_checkpoint_path(function, args, kwargs, path)
-            staging = None
-            if context.stage_files:
-                staging = scratch.enter_context(tempfile.TemporaryDirectory(prefix="ray_lightning-out-"))
+            # Kept if the call fails: the launcher fetches what is in it (driver_files.fetch_after_failure).
+            staging = driver_files.staging_dir(context.staging_name) if context.staging_name else None
+            if staging is not None:
                 driver_files.stage(trainer, staging)
             accelerator_module._IN_RAY_WORKER = True
             driver_channel._worker_queue = context.driver_queue
@@ -156,13 +159,18 @@ class RayWorker:
             with _readable_output(context.rank.global_rank == 0, progress_to_driver=context.driver_queue is not None):
                 results = function(*args, **kwargs)
             output = collect_worker_output(trainer, results, recorder, staging)
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
         # Ready for the next call of the driver: leave this call's process group and environment.
         strategy._detach_worker()
         self._store = None
         driver_channel._worker_queue = None
-        _restore_environment(saved_environment)
+        os.environ.clear()
+        os.environ.update(saved_environment)
         del trainer, function, args, kwargs, results, strategy
         gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # a waiting worker should not hold cached GPU memory
         self._code_files = _imported_code_files()
         return output
 
@@ -195,8 +203,7 @@ def _readable_output(enabled: bool, progress_to_driver: bool) -> Iterator[None]:
         sys.stdout = original
 
 
-def _set_environment(context: WorkerContext) -> dict[str, str | None]:
-    """Set this call's environment; returns the previous values (None: unset) to restore afterwards."""
+def _set_environment(context: WorkerContext) -> None:
     import torch
 
     update = {
@@ -211,22 +218,12 @@ def _set_environment(context: WorkerContext) -> dict[str, str | None]:
         # The device follows the GPUs Ray reserved: none means none visible.
         "CUDA_VISIBLE_DEVICES": context.cuda_visible_devices,
     }
-    previous = {name: os.environ.get(name) for name in update}
     os.environ.update(update)
     # Ray numbers GPUs in PCI bus order; make CUDA's ordinals agree.
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     deterministic, warn_only, benchmark = context.torch_flags
     torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     torch.backends.cudnn.benchmark = benchmark
-    return previous
-
-
-def _restore_environment(previous: dict[str, str | None]) -> None:
-    for name, value in previous.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 # Code that is part of Python or of installed packages does not change between calls.

@@ -57,7 +57,7 @@ def _context(device_index, shares_gpu=False):
         cuda_visible_devices="0,1" if device_index is not None else "",
         device_index=device_index,
         shares_gpu=shares_gpu,
-        stage_files=False,
+        staging_name=None,
         env_vars={},
     )
 

@@ -406,7 +406,7 @@ def test_failure_surfaces_while_the_other_workers_still_train(tmp_path):
 
 
 def test_repeated_fits_with_one_strategy_continue_training_and_leave_no_actors():
-    strategy = HorovodRayStrategy(num_workers=2)
+    strategy = HorovodRayStrategy(num_workers=2, keep_workers_alive_s=0)
     model = BoringModel()
     losses = []
     for _ in range(3):

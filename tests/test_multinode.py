@@ -190,3 +190,49 @@ def test_logs_and_checkpoints_of_rank_zero_on_another_node_land_on_the_driver(tw
 
     # "best" means the file on the driver's machine; workers elsewhere get a copy.
     assert trainer.test(model, ckpt_path="best", verbose=False)[0]["test_loss"] > 0
+
+
+class FailsInEpoch(BoringModel):
+    def __init__(self, epoch: int):
+        super().__init__()
+        self.fail_epoch = epoch
+
+    def training_step(self, batch, batch_idx):
+        if self.current_epoch == self.fail_epoch:
+            raise RuntimeError("fails on purpose")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_failed_fit_still_brings_rank_zeros_checkpoints_to_the_driver(two_node_cluster, tmp_path):
+    from ray_lightning import RayWorkerError
+
+    checkpoint = ModelCheckpoint(dirpath="ckpt", save_top_k=-1)
+    strategy = RayStrategy(num_workers=2, resources_per_worker={"CPU": 1, "worker_slot": 1})
+    trainer = pl.Trainer(
+        max_epochs=3, strategy=strategy, callbacks=[checkpoint], logger=False, enable_progress_bar=False
+    )
+    with pytest.raises(RayWorkerError, match="fails on purpose"):
+        trainer.fit(FailsInEpoch(epoch=2))
+
+    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert saved == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
+    # The checkpoint holds the driver's paths, not the staging directory's on rank 0's node.
+    state = torch.load(tmp_path / "ckpt" / saved[-1], weights_only=False)
+    callback_state = next(v for k, v in state["callbacks"].items() if k.startswith("ModelCheckpoint"))
+    assert callback_state["dirpath"] == str(tmp_path / "ckpt")
+    assert all(path.startswith(str(tmp_path / "ckpt")) for path in callback_state["best_k_models"])
+
+
+def test_files_rank_zero_replaced_in_a_later_fit_are_removed_on_the_driver(two_node_cluster, tmp_path):
+    checkpoint = ModelCheckpoint(dirpath="ckpt", monitor="val_loss", save_top_k=1)
+    strategy = RayStrategy(num_workers=2, resources_per_worker={"CPU": 1, "worker_slot": 1})
+    trainer = pl.Trainer(
+        max_epochs=1, strategy=strategy, callbacks=[checkpoint], logger=False, enable_progress_bar=False
+    )
+    model = BoringModel()
+    trainer.fit(model)
+    first = checkpoint.best_model_path
+    trainer.fit_loop.max_epochs = 3
+    trainer.fit(model)
+    assert checkpoint.best_model_path != first
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [os.path.basename(checkpoint.best_model_path)]

@@ -84,9 +84,11 @@ def test_the_driver_redraws_one_bar_in_place_on_a_terminal(monkeypatch):
 def test_the_driver_writes_lines_where_it_cannot_redraw(monkeypatch):
     log = io.StringIO()
     monkeypatch.setattr("sys.stdout", log)
-    show_progress("Epoch 0:  50%|", done=False)
+    monkeypatch.setattr(output, "_last_line", float("-inf"))
+    show_progress("Epoch 0:  25%|", done=False)
+    show_progress("Epoch 0:  50%|", done=False)  # within a second of the last line: skipped
     show_progress("Epoch 0: 100%|", done=True)
-    assert log.getvalue() == "Epoch 0:  50%|\nEpoch 0: 100%|\n"
+    assert log.getvalue() == "Epoch 0:  25%|\nEpoch 0: 100%|\n"
 
 
 def test_rank_zeros_bar_states_go_to_the_driver(monkeypatch):

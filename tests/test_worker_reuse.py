@@ -153,3 +153,10 @@ def test_horovod_restarts_in_the_reused_workers(tmp_path):
     assert _pids(tmp_path, "second") == _pids(tmp_path, "first")
     assert not torch.equal(after_first, model.layer.weight)
     assert trainer.current_epoch == 1
+
+
+def test_workers_waiting_when_ray_shuts_down_are_dropped_without_restarting_ray(tmp_path):
+    _fit(BoringModel(), tmp_path, "fit")
+    ray.shutdown()
+    ray_lightning.release_idle_workers()  # would start a new local Ray if it called into Ray
+    assert not ray.is_initialized()
