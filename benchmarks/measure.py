@@ -1,0 +1,158 @@
+"""One measurement: a fresh driver process runs one contender's three fits and writes what it saw.
+
+    python -m benchmarks.measure --contender ray --spec spec.json --result result.json
+
+Started by :mod:`benchmarks.run`, once per contender and repeat. In this process:
+
+1. connect to the harness's Ray cluster (Ray contenders), before any timer starts;
+2. ``fit`` #1 and ``fit`` #2 of :class:`BenchModule` (``spec.steps`` steps each), each with a new
+   Trainer and module, timed from just before ``trainer.fit`` on the driver;
+3. ``fit`` #3 of :class:`WeightsModule` (``spec.weights_steps`` steps), timed from rank 0's
+   ``on_fit_end`` to the moment the driver's module holds the trained weights;
+4. the driver's peak RSS, then the in-memory copy floor of the same state dict.
+
+Lightning's ``ddp`` re-runs this command line for ranks > 0: they run the same fits and write nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.contenders import CONTENDERS, Contender
+from benchmarks.workload import BenchModule, Spec, WeightsModule, read_clock
+
+_FLOOR_TRIES = 3
+
+
+def _peak_rss_mb() -> float:
+    # ru_maxrss is in KiB on Linux: the high-water mark of this process only, not of its children.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _fit_metrics(spec: Spec, t0: float, t1: float, clock: dict[str, Any]) -> dict[str, Any]:
+    """What one fit shows, from the driver's start/return times and rank 0's clock."""
+
+    def steady(times: list[float]) -> float | None:
+        durations = [b - a for a, b in zip(times, times[1:])]  # durations[j] is step j+1's
+        window = durations[max(spec.warmup - 1, 0) :]
+        return statistics.median(window) if window else None
+
+    return {
+        "wall_s": t1 - t0,
+        "first_step_s": clock["first_optimizer_step"] - t0,
+        # Where the time to the first step goes: until rank 0's on_fit_start, then until its first batch.
+        "launch_s": clock["fit_start"] - t0,
+        "setup_s": clock["first_batch_start"] - clock["fit_start"],
+        "step_s": steady(clock["batch_ends"]),
+        "step_cpu_s": steady(clock["batch_end_cpu"]),
+        "steps": len(clock["batch_ends"]),
+        # From rank 0's on_fit_end until fit returned here.
+        "return_s": t1 - clock["fit_end"],
+        "worker_threads": clock["threads"],
+        "world_size": clock["world_size"],
+    }
+
+
+def _copy_floor(state: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The best of a few plain in-memory copies of ``state``: fresh tensors, and into preallocated ones."""
+    clone_s, copy_s = [], []
+    targets = {k: torch.empty_like(v) for k, v in state.items()}
+    for _ in range(_FLOOR_TRIES):
+        start = time.perf_counter()
+        copies = {k: v.clone() for k, v in state.items()}
+        clone_s.append(time.perf_counter() - start)
+        del copies
+        start = time.perf_counter()
+        for k, v in state.items():
+            targets[k].copy_(v)
+        copy_s.append(time.perf_counter() - start)
+    return {"clone_s": min(clone_s), "copy_into_s": min(copy_s)}
+
+
+def _weights_changed(before: torch.Tensor, module: BenchModule) -> bool:
+    return not torch.equal(before, module.net[0].weight.detach())
+
+
+def measure(contender: Contender, spec: Spec, result_path: str, record: bool) -> dict[str, Any] | None:
+    """Run the three fits; return the measurement (None on ranks > 0 of ``ddp``)."""
+    if contender.uses_ray:
+        import ray
+
+        ray.init(address=spec.ray_address, log_to_driver=True)
+    fits: dict[str, dict[str, Any]] = {}
+    rss_small = 0.0
+    module: BenchModule | None = None
+    runs = (("fit1", BenchModule, spec.steps), ("fit2", BenchModule, spec.steps))
+    for label, cls, steps in (*runs, ("weights", WeightsModule, spec.weights_steps)):
+        module = cls(spec)
+        before = module.net[0].weight.detach().clone()
+        clock_path = f"{result_path}.{label}.clock"
+        t0 = time.time()
+        contender.fit(spec, module, clock_path, steps)
+        t1 = time.time()
+        if not record:
+            continue
+        fits[label] = _fit_metrics(spec, t0, t1, read_clock(clock_path))
+        fits[label]["weights_changed"] = _weights_changed(before, module)
+        if label == "fit2":
+            rss_small = _peak_rss_mb()
+    if not record or module is None:
+        return None
+    peak_rss = _peak_rss_mb()  # before the floor's copies add their own
+    state = module.state_dict()
+    nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    floor = _copy_floor(state)
+    weights_back_s = None if contender.driver_is_rank_zero else fits["weights"]["return_s"]
+    return {
+        "contender": contender.name,
+        "pid": os.getpid(),
+        "driver_threads": torch.get_num_threads(),
+        "fits": fits,
+        "metrics": {
+            "fit_s": fits["fit1"]["wall_s"],
+            "first_step_s": fits["fit1"]["first_step_s"],
+            "step_ms": fits["fit1"]["step_s"] * 1000 if fits["fit1"]["step_s"] is not None else None,
+            "fit2_s": fits["fit2"]["wall_s"],
+            "fit2_first_step_s": fits["fit2"]["first_step_s"],
+            "weights_back_s": weights_back_s,
+            "weights_floor_s": floor["clone_s"],
+            "weights_speed_vs_copy": floor["clone_s"] / weights_back_s if weights_back_s else None,
+            "peak_rss_mb": peak_rss,
+            "peak_rss_small_mb": rss_small,
+        },
+        "weights_bytes": nbytes,
+        "floor": floor,
+    }
+
+
+def _launched_by_lightning_ddp() -> bool:
+    # Lightning's ddp starts ranks > 0 with LOCAL_RANK set; the harness never sets it.
+    return os.environ.get("LOCAL_RANK", "0") != "0"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contender", required=True, choices=sorted(CONTENDERS))
+    parser.add_argument("--spec", required=True, help="JSON file with the sizes (benchmarks.workload.Spec)")
+    parser.add_argument("--result", required=True, help="where to write this measurement as JSON")
+    args = parser.parse_args(argv)
+    with open(args.spec) as f:
+        spec = Spec.from_json(f.read())
+    result = measure(CONTENDERS[args.contender], spec, args.result, record=not _launched_by_lightning_ddp())
+    if result is not None:
+        partial = args.result + ".partial"
+        with open(partial, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(partial, args.result)
+
+
+if __name__ == "__main__":
+    main()

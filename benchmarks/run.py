@@ -1,0 +1,231 @@
+"""Run the benchmark: every contender, ``--repeats`` times, each in a fresh driver process.
+
+    .venv/bin/python -m benchmarks.run                 # from the repository root; see benchmarks/README.md
+
+Starts one local Ray cluster for the whole run (in this process, in a private temp directory; it
+stops with this process), which the Ray contenders' drivers connect to before their timers start.
+Measurements go round-robin over the contenders, so a noisy stretch of time hits all of them.
+Writes ``<out>/<name>.json`` (every sample) and ``<out>/<name>.md`` and prints the markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, replace
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from benchmarks import report
+from benchmarks.contenders import CONTENDERS
+from benchmarks.workload import Spec
+
+ROOT = Path(__file__).resolve().parents[1]
+_LOG_TAIL = 4000
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3, help="fresh driver processes per contender (default 3)")
+    parser.add_argument("--workers", type=int, default=2, help="training processes per fit (default 2)")
+    parser.add_argument("--params", type=float, default=None, help="parameters of the weights-back model (250e6)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per fit (60)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps left out of the step time (10)")
+    parser.add_argument("--batch-size", type=int, default=None, help="per worker (128)")
+    parser.add_argument("--hidden", type=int, default=None, help="width of the MLP's hidden layers (1024)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, default all")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="directory for the tables")
+    parser.add_argument("--name", default=None, help="file name of the tables (default: the start time)")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes: checks the harness, measures nothing useful")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds one measurement may take (900)")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.contenders.split(",")) - set(CONTENDERS))
+    if unknown:
+        parser.error(f"unknown contender(s) {unknown}; choose from {sorted(CONTENDERS)}")
+    return args
+
+
+def _spec(args: argparse.Namespace) -> Spec:
+    spec = Spec.tiny() if args.tiny else Spec()
+    spec.workers = args.workers
+    for name, value in (("weights_params", args.params), ("steps", args.steps), ("warmup", args.warmup),
+                        ("batch_size", args.batch_size), ("hidden", args.hidden)):  # fmt: skip
+        if value is not None:
+            setattr(spec, name, int(value))
+    return spec
+
+
+def _threads_per_process(workers: int) -> int:
+    # The same for every contender: the cores shared by the training processes, as Lightning's own
+    # launchers choose when OMP_NUM_THREADS is unset (Ray sets it to the CPUs an actor reserved).
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+def _environment(threads: int) -> dict[str, str]:
+    """What the Ray cluster's processes and every driver inherit."""
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": str(threads), "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def ray_cluster(num_cpus: int, temp_dir: str, env: dict[str, str]) -> Iterator[str]:
+    """A local Ray head owned by this process; yields its address. Other Ray clusters on the machine are left alone."""
+    import ray
+
+    # Ray processes that look for "the" cluster (Ray Train's placement group cleaner uses the state
+    # API) must find this one, also where other clusters run on the machine: fix the GCS port up
+    # front and give its address to every process of the cluster.
+    port = _free_port()
+    address = f"{ray.util.get_node_ip_address()}:{port}"
+    saved = dict(os.environ)
+    # The raylet and the workers it starts inherit this process's environment.
+    os.environ.update(env, RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=address)
+    try:
+        context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, _temp_dir=temp_dir,
+                           log_to_driver=False)  # fmt: skip
+        try:
+            if context.address_info["gcs_address"] != address:
+                raise RuntimeError(f"Ray started at {context.address_info['gcs_address']}, not at {address}")
+            yield address
+        finally:
+            # Stops the processes this ray.init started, and only those; they would also die with this process.
+            ray.shutdown()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _machine(threads: int) -> dict[str, Any]:
+    def version(package: str) -> str:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gb": memory,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "threads_per_process": threads,
+        "ray_train_v2": os.environ.get("RAY_TRAIN_V2_ENABLED", "1") not in ("0", "false", "False"),
+        **{p.replace("-", "_"): version(p) for p in ("torch", "pytorch-lightning", "ray", "horovod", "ray_lightning")},
+    }
+
+
+def measure_once(name: str, spec_path: str, result_path: str, log_path: str, env: dict[str, str], timeout: float):
+    """One contender in a fresh driver process; returns its measurement or raises with the end of its log."""
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.measure", "--contender", name, "--spec", spec_path,
+             "--result", result_path],
+            cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+            # Its own process group: ddp's and ddp_spawn's ranks go with it, whatever happens.
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            returncode = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    if returncode == 0 and os.path.isfile(result_path):
+        with open(result_path) as f:
+            return json.load(f)
+    with open(log_path, errors="replace") as f:
+        tail = f.read()[-_LOG_TAIL:]
+    what = f"did not finish within {timeout:g} s" if returncode is None else f"exited with {returncode}"
+    raise RuntimeError(f"the {name} driver process {what}; end of {log_path}:\n{tail}")
+
+
+def _measure_all(args: argparse.Namespace, spec: Spec, env: dict[str, str], logs: Path) -> tuple[list, list]:
+    """Every contender ``args.repeats`` times, round-robin; returns the measurements and the failures."""
+    names = args.contenders.split(",")
+    results: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
+    # Short: Ray's socket paths under it must stay within the OS's limit.
+    scratch = tempfile.mkdtemp(prefix="rlb-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    started = time.time()
+    try:
+        # As many CPUs as the workers reserve (Ray Train's controller and helper actors reserve none).
+        with ray_cluster(spec.workers, os.path.join(scratch, "ray"), env) as address:
+            spec_path = os.path.join(scratch, "spec.json")
+            with open(spec_path, "w") as f:
+                f.write(replace(spec, ray_address=address, scratch=scratch).to_json())
+            for repeat, contender in ((r, c) for r in range(args.repeats) for c in names):
+                print(f"[{time.time() - started:5.0f} s] {contender}, repeat {repeat + 1}/{args.repeats}", flush=True)
+                result_path = os.path.join(scratch, f"{contender}-{repeat}.json")
+                log_path = str(logs / f"{contender}-{repeat}.log")
+                try:
+                    result = measure_once(contender, spec_path, result_path, log_path, env, args.timeout)
+                except RuntimeError as error:
+                    print(error, file=sys.stderr, flush=True)
+                    errors.append({"contender": contender, "repeat": repeat, "error": str(error), "log": log_path})
+                    continue
+                results.append({**result, "repeat": repeat})
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return results, errors
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    # Unwinds through the `finally` blocks: the driver process group is killed and Ray is stopped.
+    sys.exit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    spec = _spec(args)
+    threads = _threads_per_process(spec.workers)
+    env = _environment(threads)
+    name = args.name or time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out)
+    logs = out / "logs" / name
+    logs.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    results, errors = _measure_all(args, spec, env, logs)
+    table = report.build(results, args.contenders.split(","))
+    document = {
+        "name": name,
+        "command": " ".join(["python", "-m", "benchmarks.run", *(sys.argv[1:] if argv is None else argv)]),
+        "duration_s": time.time() - started,
+        "repeats": args.repeats,
+        "spec": asdict(spec),
+        "machine": _machine(threads),
+        "table": table,
+        "targets": report.targets(table),
+        "errors": errors,
+        "measurements": results,
+    }
+    text = report.markdown(document)
+    (out / f"{name}.json").write_text(json.dumps(document, indent=1) + "\n")
+    (out / f"{name}.md").write_text(text)
+    print(text)
+    print(f"Wrote {out / name}.json and .md; driver logs in {logs}", flush=True)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    sys.exit(main())
