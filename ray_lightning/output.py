@@ -148,4 +148,4 @@ def show_progress(line: str, done: bool) -> None:
 def _redraws_in_place(stream: TextIO) -> bool:
     # Terminals and Jupyter's output areas honour "\r"; log files and pipes would keep every state.
     isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty()) or "ipykernel" in sys.modules
+    return bool(isatty and isatty()) or type(stream).__module__.startswith("ipykernel")
