@@ -497,6 +497,8 @@ class _WorkerGroup:
                 except RayTaskError as error:
                     self._raise_death_behind(pending, contexts)
                     raise self._failure(i, contexts[i], error, died=False) from _cause(error)
+        for actor in self.actors:
+            actor.finish_call.remote()  # clean up for the next call while the driver goes on
         return outputs
 
     def _raise_death_behind(self, pending: dict[Any, int], contexts: list[WorkerContext]) -> None:

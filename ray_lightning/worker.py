@@ -70,6 +70,7 @@ class RayWorker:
         self._global_rank = global_rank
         # Modification times of the code files imported by the last call (see `reusable`).
         self._code_files: dict[str, float] = {}
+        self._unfinished: tuple[Any, dict[str, str]] | None = None  # see finish_call
 
     def __repr__(self) -> str:
         # Ray prefixes the lines an actor prints with its repr: "(rank 1 pid=...) Epoch 0: ...".
@@ -89,6 +90,7 @@ class RayWorker:
         A reused process keeps the modules it imported; a module edited on disk in between (a
         notebook user changing their code) would otherwise run stale.
         """
+        self.finish_call()
         return all(_mtime(path) == mtime for path, mtime in self._code_files.items())
 
     def open_rendezvous(self, kind: str, nodes_by_rank: list[str], timeout_s: float) -> tuple[int, list[dict]]:
@@ -119,13 +121,13 @@ class RayWorker:
         the device environment must be set before anything could initialise CUDA, and the module
         may come from a directory only the driver had on ``sys.path``.
         """
-        import torch
         from pytorch_lightning.trainer.states import TrainerFn
 
         from ray_lightning import accelerator as accelerator_module
         from ray_lightning import driver_channel, driver_files
         from ray_lightning.results import PredictionRecorder, collect_worker_output
 
+        self.finish_call()
         saved_environment = dict(os.environ)  # this call's variables, and those it sets itself, go afterwards
         _set_environment(context)
         for path in context.driver_sys_path:
@@ -161,18 +163,35 @@ class RayWorker:
             output = collect_worker_output(trainer, results, recorder, staging)
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
-        # Ready for the next call of the driver: leave this call's process group and environment.
+        # The code as it is now ran this call: a later change on disk makes the process stale.
+        self._code_files = _imported_code_files()
+        # The clean-up for the next call waits until the results are on their way (finish_call).
+        self._unfinished = (strategy, saved_environment)
+        return output
+
+    def finish_call(self) -> None:
+        """After a call succeeded and returned: leave its process group and environment, for the next call.
+
+        The launcher sends this right after the results arrived, so the driver does not wait for it;
+        :meth:`execute` and :meth:`reusable` also run it if it is still due.
+        """
+        import torch
+
+        from ray_lightning import driver_channel
+
+        if self._unfinished is None:
+            return
+        strategy, saved_environment = self._unfinished
+        self._unfinished = None
         strategy._detach_worker()
         self._store = None
         driver_channel._worker_queue = None
         os.environ.clear()
         os.environ.update(saved_environment)
-        del trainer, function, args, kwargs, results, strategy
+        del strategy
         gc.collect()
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # a waiting worker should not hold cached GPU memory
-        self._code_files = _imported_code_files()
-        return output
 
 
 def _with_checkpoint_path(function: Any, args: tuple, kwargs: dict, path: str) -> tuple[tuple, dict]:
