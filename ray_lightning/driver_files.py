@@ -91,8 +91,6 @@ def _translate_state(callback: ModelCheckpoint, staging: str) -> None:
 
 
 def to_staged(path: str, staging: str) -> str:
-    if path.startswith(staging + os.sep):
-        return path  # staged in an earlier fit of the same worker process
     return os.path.join(staging, os.path.splitdrive(path)[1].lstrip("/\\"))
 
 

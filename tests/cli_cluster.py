@@ -27,12 +27,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.conftest import wait_for
 
 # The venv's `ray` CLI, next to the interpreter that runs the tests.
 RAY_CLI = str(Path(sys.executable).parent / "ray")
@@ -44,15 +45,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
-
-
-def poll(condition: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.5) -> None:
-    """Wait until ``condition()`` holds, at most ``timeout_s``; the failure names what was awaited."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 def _token() -> str | None:
@@ -248,7 +240,7 @@ class CliCluster:
             except (urllib.error.URLError, OSError, KeyError, ValueError):
                 return False
 
-        poll(enough, timeout_s, f"{count} alive Ray node(s) at {self.dashboard_url}")
+        wait_for(enough, timeout_s, f"{count} alive Ray node(s) at {self.dashboard_url}")
 
     def stop(self, timeout_s: float = 60) -> None:
         """Stop this cluster's nodes, workers before the head, and only them; remove the temp dir."""
@@ -268,8 +260,8 @@ class CliCluster:
         for pid in leftovers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(TimeoutError):
-            poll(lambda: not processes_in_sessions(sessions), 10, "the cluster's processes to exit", 0.2)
+        with contextlib.suppress(AssertionError):  # a test that needs them gone asserts it itself
+            wait_for(lambda: not processes_in_sessions(sessions), 10, "the cluster's processes to exit")
         self.nodes = []
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
