@@ -11,20 +11,23 @@ Example::
     # or Horovod (needs Horovod installed):
     trainer = pl.Trainer(max_epochs=4, accelerator=HorovodRayAccelerator(num_hosts=2, num_slots=4))
     trainer.fit(model)
+
+The package's layers, lowest first (each imports only those below it; ``tests/test_layers.py``):
+``errors``, ``config``, ``environment``, ``runtime``, ``_lightning``, ``channel``, ``home``,
+``launch``, ``strategies``, ``horovod``, ``tune``.
 """
 
-from ray_lightning import accelerator_hook
-from ray_lightning.accelerator import HorovodRayAccelerator, RayAccelerator
+from ray_lightning import _lightning
 from ray_lightning.environment import RayEnvironment
-from ray_lightning.horovod_strategy import HorovodRayStrategy
-from ray_lightning.idle_workers import release_idle_workers
-from ray_lightning.launcher import RayWorkerError
-from ray_lightning.resources import ClusterResourceError
-from ray_lightning.strategy import RayStrategy
+from ray_lightning.errors import ClusterResourceError, RayWorkerError
+from ray_lightning.horovod.strategy import HorovodRayStrategy
+from ray_lightning.launch.idle_pool import release_idle_workers
+from ray_lightning.strategies.accelerator import HorovodRayAccelerator, RayAccelerator
+from ray_lightning.strategies.ddp import RayStrategy
 
 __version__ = "0.6.0"
 
-accelerator_hook.install()
+_lightning.install()
 
 __all__ = [
     "ClusterResourceError",

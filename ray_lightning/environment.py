@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_fabric.plugins.environments import ClusterEnvironment
+from typing_extensions import override
 
 
 @dataclass(frozen=True)
@@ -103,37 +104,47 @@ class RayEnvironment(ClusterEnvironment):
         self._main_port = main_port
 
     @property
+    @override
     def creates_processes_externally(self) -> bool:
         return True
 
     @property
+    @override
     def main_address(self) -> str:
         return self._main_address
 
     @property
+    @override
     def main_port(self) -> int:
         return self._main_port
 
     @staticmethod
+    @override
     def detect() -> bool:
         return False
 
+    @override
     def world_size(self) -> int:
         return self._world_size
 
+    @override
     def set_world_size(self, size: int) -> None:
         # The launcher decides the world size; Lightning's guesses from devices/num_nodes are ignored.
         pass
 
+    @override
     def global_rank(self) -> int:
         return self._rank.global_rank
 
+    @override
     def set_global_rank(self, rank: int) -> None:
         pass
 
+    @override
     def local_rank(self) -> int:
         return self._rank.local_rank
 
+    @override
     def node_rank(self) -> int:
         return self._rank.node_rank
 

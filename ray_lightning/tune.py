@@ -17,7 +17,7 @@ Example::
 How it works: the trial's function runs in the trial's own process, which becomes the driver of
 the workers; :func:`get_tune_resources` reserves the trial's process and its workers as one
 placement group, and the launcher starts the workers in that group's bundles. The callbacks run
-on rank 0, where the metrics are, and send them with :func:`ray_lightning.driver_channel.send_to_driver`
+on rank 0, where the metrics are, and send them with :func:`ray_lightning.channel.driver_channel.send_to_driver`
 to the trial's process, the only place ``ray.tune.report`` works. Checkpoints travel as bytes
 through Ray's object store, so they reach Tune's storage from any node, shared filesystem or not.
 """
@@ -33,11 +33,9 @@ from typing import Any
 import pytorch_lightning as pl
 from ray.tune import PlacementGroupFactory
 
-from ray_lightning.driver_channel import send_to_driver
-from ray_lightning.resources import resolve_worker_resources
-
-# The trial's own process: it only waits for its workers and reports.
-_TRIAL_BUNDLE = {"CPU": 1.0}
+from ray_lightning.channel.driver_channel import send_to_driver
+from ray_lightning.config import resolve_worker_resources
+from ray_lightning.launch.placement import trial_bundles
 
 
 def get_tune_resources(
@@ -57,8 +55,8 @@ def get_tune_resources(
 
         tune.run(train_fn, resources_per_trial=get_tune_resources(num_workers=4, use_gpu=True))
     """
-    worker = resolve_worker_resources(num_workers, num_cpus_per_worker, use_gpu, resources_per_worker).bundle()
-    return PlacementGroupFactory([dict(_TRIAL_BUNDLE)] + [dict(worker) for _ in range(num_workers)], strategy="PACK")
+    request = resolve_worker_resources(num_workers, num_cpus_per_worker, use_gpu, resources_per_worker)
+    return PlacementGroupFactory(trial_bundles(request), strategy="PACK")
 
 
 def _callback_hooks() -> list[str]:

@@ -1,6 +1,6 @@
 """The classic ``Trainer(accelerator=RayAccelerator(...))`` form and the Lightning internals it relies on.
 
-If a Lightning release renames what ray_lightning.accelerator_hook wraps, the first test fails.
+If a Lightning release renames what ray_lightning._lightning.connector wraps, the first test fails.
 """
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ import pytorch_lightning as pl
 from pytorch_lightning.strategies import SingleDeviceStrategy
 from pytorch_lightning.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
-from ray_lightning import RayAccelerator, RayStrategy, accelerator_hook
+from ray_lightning import RayAccelerator, RayStrategy
+from ray_lightning._lightning import connector
 from tests.models import BoringModel
 
 
 def test_the_wrapped_lightning_methods_exist_and_are_wrapped():
     RayAccelerator(num_workers=1)  # installs the hook
-    for name in accelerator_hook._WRAPPED:
+    for name in connector.WRAPPED:
         method = getattr(_AcceleratorConnector, name)
         assert hasattr(method, "__wrapped__"), f"_AcceleratorConnector.{name} is not wrapped"
 
@@ -64,7 +65,7 @@ def test_accelerator_with_another_strategy_is_refused():
 
 def test_an_unconverted_accelerator_refuses_to_train_single_process(monkeypatch):
     # What a Lightning release that bypassed the hook would produce: RayAccelerator under a plain strategy.
-    for name in accelerator_hook._WRAPPED:
+    for name in connector.WRAPPED:
         monkeypatch.setattr(_AcceleratorConnector, name, getattr(_AcceleratorConnector, name).__wrapped__)
     trainer = pl.Trainer(accelerator=RayAccelerator(num_workers=2), logger=False, max_epochs=1)
     assert isinstance(trainer.strategy, SingleDeviceStrategy)
@@ -73,8 +74,8 @@ def test_an_unconverted_accelerator_refuses_to_train_single_process(monkeypatch)
 
 
 def test_missing_lightning_internals_are_reported(monkeypatch):
-    monkeypatch.setattr(accelerator_hook, "_installed", False)
-    monkeypatch.setattr(accelerator_hook, "_install_error", None)
+    monkeypatch.setattr(connector, "_installed", False)
+    monkeypatch.setattr(connector, "_install_error", None)
     monkeypatch.delattr(_AcceleratorConnector, "_choose_strategy")
     with pytest.raises(RuntimeError, match="has no _AcceleratorConnector._choose_strategy"):
         RayAccelerator(num_workers=2)

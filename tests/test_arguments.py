@@ -8,7 +8,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from ray_lightning import ClusterResourceError, RayAccelerator, RayStrategy
-from ray_lightning.resources import check_cluster_can_hold, resolve_worker_resources
+from ray_lightning.config import resolve_worker_resources
+from ray_lightning.launch.placement import check_cluster_can_hold
 from tests.conftest import alive_worker_actors
 from tests.models import BoringModel
 
@@ -124,3 +125,16 @@ def test_worker_error_survives_pickling_and_copying():
     for clone in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
         assert isinstance(clone, RayWorkerError)
         assert (str(clone), clone.rank) == (str(error), 3)
+
+
+def test_per_worker_resources_read_back_as_in_ray_lightning_0_3():
+    from ray_lightning import HorovodRayStrategy
+
+    strategy = RayStrategy(num_workers=2, num_cpus_per_worker=2, resources_per_worker={"GPU": 0.5})
+    assert (strategy.num_cpus_per_worker, strategy.num_gpus_per_worker) == (2.0, 0.5)
+    assert RayStrategy(num_workers=1, use_gpu=True).num_gpus_per_worker == 1.0
+    assert RayAccelerator(num_workers=2, cpus_per_worker=3).make_strategy().num_cpus_per_worker == 3.0
+    horovod = HorovodRayStrategy(num_workers=2, resources_per_worker={"CPU": 4})
+    assert (horovod.num_cpus_per_worker, horovod.num_gpus_per_worker) == (4.0, 0.0)
+    with pytest.raises(AttributeError):
+        strategy.num_cpus_per_worker = 8  # read-only: the resources are fixed at construction

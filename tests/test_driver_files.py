@@ -1,6 +1,6 @@
 """Rank 0 off the driver's machine writes under a staging directory; its files come back to the driver's paths.
 
-These tests fail when Lightning renames the attributes ray_lightning.driver_files rewrites.
+These tests fail when Lightning renames the attributes ray_lightning.home.files rewrites.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
-from ray_lightning import driver_files
+from ray_lightning.home import files as driver_files
 
 
 def _trainer(**kwargs) -> pl.Trainer:

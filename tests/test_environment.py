@@ -10,7 +10,7 @@ import torch
 
 from ray_lightning import RayStrategy
 from ray_lightning.environment import WorkerRank, assign_cuda_devices, assign_ranks, shares_a_gpu
-from ray_lightning.worker import WorkerContext
+from ray_lightning.runtime import WorkerContext
 
 
 def test_ranks_group_workers_by_node_and_actor_zero_is_rank_zero():
@@ -64,10 +64,10 @@ def _context(device_index, shares_gpu=False):
 
 def test_strategy_in_a_gpu_worker_uses_its_device_and_nccl():
     strategy = RayStrategy(num_workers=2, use_gpu=True)
-    strategy._attach_worker(_context(device_index=1), rendezvous_store=None)
+    strategy.attach_worker(_context(device_index=1), rendezvous_store=None)
     assert strategy.root_device == torch.device("cuda", 1)
     assert strategy.determine_ddp_device_ids() == [1]
-    assert strategy._get_process_group_backend() == "nccl"
+    assert strategy.worker_process_group_backend() == "nccl"
     assert (strategy.global_rank, strategy.local_rank, strategy.world_size) == (1, 1, 2)
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
     assert strategy.cluster_environment.main_address == "10.0.0.1"
@@ -75,21 +75,21 @@ def test_strategy_in_a_gpu_worker_uses_its_device_and_nccl():
 
 def test_fractional_gpus_on_one_device_fall_back_to_gloo():
     strategy = RayStrategy(num_workers=2, resources_per_worker={"GPU": 0.5})
-    strategy._attach_worker(_context(device_index=0, shares_gpu=True), rendezvous_store=None)
+    strategy.attach_worker(_context(device_index=0, shares_gpu=True), rendezvous_store=None)
     assert strategy.root_device == torch.device("cuda", 0)
-    assert strategy._get_process_group_backend() == "gloo"
+    assert strategy.worker_process_group_backend() == "gloo"
 
 
 def test_explicit_backend_wins():
     strategy = RayStrategy(num_workers=2, use_gpu=True, process_group_backend="gloo")
-    strategy._attach_worker(_context(device_index=0), rendezvous_store=None)
-    assert strategy._get_process_group_backend() == "gloo"
+    strategy.attach_worker(_context(device_index=0), rendezvous_store=None)
+    assert strategy.worker_process_group_backend() == "gloo"
 
 
 def test_cpu_worker():
     strategy = RayStrategy(num_workers=2)
     assert strategy.root_device == torch.device("cpu")  # on the driver
-    strategy._attach_worker(_context(device_index=None), rendezvous_store=None)
+    strategy.attach_worker(_context(device_index=None), rendezvous_store=None)
     assert strategy.root_device == torch.device("cpu")
     assert strategy.determine_ddp_device_ids() is None
-    assert strategy._get_process_group_backend() == "gloo"
+    assert strategy.worker_process_group_backend() == "gloo"

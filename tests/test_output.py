@@ -8,8 +8,9 @@ import pytest
 import pytorch_lightning as pl
 from tqdm import tqdm
 
-from ray_lightning import RayStrategy, driver_channel, output
-from ray_lightning.output import ProgressLines, show_progress
+from ray_lightning import RayStrategy
+from ray_lightning.channel import progress as output
+from ray_lightning.channel.progress import ProgressLines, show_progress
 from tests.models import BoringModel
 
 
@@ -93,7 +94,7 @@ def test_the_driver_writes_lines_where_it_cannot_redraw(monkeypatch):
 
 def test_rank_zeros_bar_states_go_to_the_driver(monkeypatch):
     sent = []
-    monkeypatch.setattr(driver_channel, "send_to_driver", lambda fn, *args: sent.append((fn, args)))
+    monkeypatch.setattr(output, "send_to_driver", lambda fn, *args: sent.append((fn, args)))
     console = io.StringIO()
     stream = ProgressLines(console, interval_s=3600, to_driver=True)
     print("a plain line", file=stream)

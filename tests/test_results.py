@@ -9,7 +9,9 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from ray_lightning.results import WorkerOutput, apply_to_driver, merge_predictions, pack_weights, unpack_weights
+from ray_lightning.home.predictions import merge_predictions
+from ray_lightning.home.results import WorkerOutput, apply_to_driver
+from ray_lightning.home.weights import pack_weights, unpack_weights
 
 Pair = namedtuple("Pair", "a b")
 

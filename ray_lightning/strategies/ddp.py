@@ -1,7 +1,7 @@
 """``RayStrategy``: what Lightning sees — DDP whose processes are Ray actors.
 
 Lightning's own DDP does the training work (wrapping the model, reducing gradients, collectives);
-this class only changes where processes come from (:class:`~ray_lightning.launcher.RayLauncher`),
+this class only changes where processes come from (:class:`~ray_lightning.launch.launcher.RayLauncher`),
 where ranks come from (:class:`~ray_lightning.environment.RayEnvironment`) and how the process
 group meets (a TCPStore opened by rank 0 on an OS-chosen port).
 """
@@ -12,13 +12,14 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from lightning_fabric.utilities.distributed import _init_dist_connection
 from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
+from typing_extensions import override
 
+from ray_lightning import _lightning
+from ray_lightning.config import resolve_worker_resources
 from ray_lightning.environment import RayEnvironment
-from ray_lightning.resources import resolve_worker_resources
-from ray_lightning.strategy_base import RayWorkersMixin
+from ray_lightning.strategies.workers import RayWorkersMixin
 
 # DDPStrategy arguments that RayStrategy decides itself.
 _RESERVED = ("accelerator", "parallel_devices", "cluster_environment", "start_method", "checkpoint_io")
@@ -90,18 +91,22 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
             **ddp_kwargs,
         )
 
-    def _get_process_group_backend(self) -> str:
-        if self._process_group_backend:
-            return self._process_group_backend
+    @override
+    def worker_process_group_backend(self) -> str:
+        requested = self.requested_process_group_backend
+        if requested:
+            return requested
         if self.root_device.type == "cuda" and self._worker is not None and self._worker.shares_gpu:
             # NCCL refuses two ranks on one GPU (fractional GPUs); gloo handles CUDA tensors too.
             return "gloo"
         return "nccl" if self.root_device.type == "cuda" else "gloo"
 
+    @override
     def setup_distributed(self) -> None:
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
+        backend = self.worker_process_group_backend()
+        self.use_process_group_backend(backend)
         store = self._rendezvous_store
         if store is None:
             from torch.distributed import TCPStore
@@ -110,12 +115,12 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
                 self.cluster_environment.main_address,
                 self.cluster_environment.main_port,
                 is_master=False,
-                timeout=self._timeout or timedelta(minutes=30),
+                timeout=self.ddp_timeout or timedelta(minutes=30),
             )
-        kwargs: dict[str, Any] = {"timeout": self._timeout, "store": store}
+        kwargs: dict[str, Any] = {"timeout": self.ddp_timeout, "store": store}
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        _lightning.init_dist_connection(self.cluster_environment, backend, **kwargs)
 
 
 if "ray" not in StrategyRegistry:

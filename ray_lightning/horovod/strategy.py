@@ -2,8 +2,8 @@
 
 Lightning 2.x has no Horovod strategy, so this is one, written against Lightning's
 ``ParallelStrategy`` interface. Workers start, get their ranks and return their results exactly as
-with :class:`~ray_lightning.RayStrategy` (the shared :class:`~ray_lightning.launcher.RayLauncher`);
-only the rendezvous (horovod.ray's Gloo rendezvous, see :mod:`ray_lightning.horovod_support`)
+with :class:`~ray_lightning.RayStrategy` (the shared :class:`~ray_lightning.launch.launcher.RayLauncher`);
+only the rendezvous (horovod.ray's Gloo rendezvous, see :mod:`ray_lightning.horovod.rendezvous`)
 and the collectives differ:
 
 * gradients: ``hvd.DistributedOptimizer`` with ``backward_passes_per_step`` equal to
@@ -21,7 +21,6 @@ Horovod's linear-scaling rule.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -29,45 +28,25 @@ import ray
 import torch
 from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.callbacks import GradientAccumulationScheduler
-from pytorch_lightning.core.optimizer import LightningOptimizer, _MockOptimizer
+from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
-from ray_lightning import horovod_support
+from ray_lightning import _lightning
+from ray_lightning.config import resolve_worker_resources, worker_layout
 from ray_lightning.environment import RayEnvironment
-from ray_lightning.resources import resolve_worker_resources
-from ray_lightning.strategy_base import RayWorkersMixin
+from ray_lightning.horovod.hvd import import_horovod_torch, init_horovod
+from ray_lightning.horovod.optim import horovod_op, retarget_scheduler, writable
+from ray_lightning.horovod.rendezvous import HorovodRendezvous
+from ray_lightning.launch.rendezvous import Rendezvous
+from ray_lightning.strategies.accelerator import HorovodRayAccelerator
+from ray_lightning.strategies.workers import RayWorkersMixin
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
-
-    from ray_lightning.accelerator import RayAccelerator
-
-
-def worker_layout(num_workers: Any, num_hosts: Any, num_slots: Any) -> tuple[int, int | None]:
-    """``(number of workers, number of hosts or None)`` from the three ways of saying how many.
-
-    ``num_workers`` alone lets Ray pack the workers; ``num_hosts`` and/or ``num_slots`` put
-    ``num_slots`` workers on each of ``num_hosts`` different nodes (a missing one counts as 1).
-    """
-    for name, value in (("num_workers", num_workers), ("num_hosts", num_hosts), ("num_slots", num_slots)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int >= 1, got {value!r}.")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value!r}.")
-    if num_workers is not None and (num_hosts is not None or num_slots is not None):
-        raise ValueError(
-            "Give either num_workers (Ray packs the workers onto as few nodes as it can) or "
-            "num_hosts/num_slots (num_slots workers on each of num_hosts nodes), not both."
-        )
-    if num_hosts is None and num_slots is None:
-        return (num_workers or 1), None
-    hosts, slots = num_hosts or 1, num_slots or 1
-    return hosts * slots, hosts
 
 
 class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
@@ -96,7 +75,7 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
     """
 
     strategy_name = "horovod_ray"
-    _rendezvous = "horovod"
+    accelerator_class = HorovodRayAccelerator
 
     def __init__(
         self,
@@ -115,16 +94,16 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         workers, hosts = worker_layout(num_workers, num_hosts, num_slots)
         resources = resolve_worker_resources(workers, num_cpus_per_worker, use_gpu, resources_per_worker, hosts)
         # Fail here, on the driver, rather than in every worker.
-        horovod_support.import_horovod_torch()
+        import_horovod_torch()
         self._init_workers(resources, init_hook, placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s)
         super().__init__(cluster_environment=RayEnvironment(workers))
         self._failed = False
 
-    @classmethod
-    def _accelerator_class(cls) -> type[RayAccelerator]:
-        from ray_lightning.accelerator import HorovodRayAccelerator
-
-        return HorovodRayAccelerator
+    @property
+    @override
+    def rendezvous(self) -> Rendezvous:
+        """horovod.ray's Gloo rendezvous server, opened by rank 0."""
+        return HorovodRendezvous()
 
     @property
     def num_hosts(self) -> int | None:
@@ -134,7 +113,8 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
     def num_slots(self) -> int | None:
         return self.resources.workers_per_host if self.resources.num_hosts else None
 
-    def _check_trainer(self, trainer: pl.Trainer) -> None:
+    @override
+    def check_trainer(self, trainer: pl.Trainer) -> None:
         if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
             raise ValueError(
                 "HorovodRayStrategy needs one accumulate_grad_batches for the whole run (Horovod fixes how many "
@@ -146,12 +126,13 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
 
     @property
     def _hvd(self) -> Any:
-        return horovod_support.import_horovod_torch()
+        return import_horovod_torch()
 
+    @override
     def setup_environment(self) -> None:
         self._failed = False
         self.set_world_ranks()
-        hvd = horovod_support.init_horovod(ray.util.get_node_ip_address())
+        hvd = init_horovod(ray.util.get_node_ip_address())
         if (hvd.rank(), hvd.size()) != (self.global_rank, self.world_size):
             raise RuntimeError(
                 f"Horovod started as rank {hvd.rank()} of {hvd.size()}, but ray_lightning placed this worker as "
@@ -160,12 +141,14 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         reset_seed()
         super().setup_environment()
 
+    @override
     def model_to_device(self) -> None:
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
         assert self.model is not None
         self.model.to(self.root_device)
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
@@ -187,9 +170,9 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         for config in self.lr_scheduler_configs:
             for old, new in zip(optimizers, wrapped):
                 if getattr(config.scheduler, "optimizer", None) is old:
-                    _retarget_scheduler(config.scheduler, new)
+                    retarget_scheduler(config.scheduler, new)
         self.optimizers = wrapped
-        for lightning_optimizer in self._lightning_optimizers:
+        for lightning_optimizer in self.lightning_optimizers:
             # Lightning's wrapper class subclasses Horovod's optimizer class, whose methods call
             # super(self.__class__, self): through the wrapper that recurses forever
             # (`self.optimizers().zero_grad()` in manual optimization). Call the real ones.
@@ -197,7 +180,7 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
                 setattr(lightning_optimizer, name, getattr(lightning_optimizer.optimizer, name))
 
     def _wrap(self, optimizer: Optimizer, hvd: Any, accumulate_grad_batches: int) -> Optimizer:
-        if hasattr(optimizer, "synchronize") or isinstance(optimizer, _MockOptimizer):
+        if hasattr(optimizer, "synchronize") or _lightning.is_mock_optimizer(optimizer):
             return optimizer  # already Horovod's, or Lightning's stand-in when there is no optimizer
         module = self.lightning_module
         assert module is not None
@@ -209,6 +192,7 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
             backward_passes_per_step=accumulate_grad_batches,
         )
 
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -232,6 +216,7 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         with optimizer.skip_synchronize():
             return super().optimizer_step(optimizer, closure_then_synchronize, model, **kwargs)
 
+    @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
         if not isinstance(tensor, Tensor):
             return tensor
@@ -240,10 +225,11 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         if not self._in_horovod():
             return tensor
         hvd = self._hvd
-        op = _horovod_op(hvd, reduce_op)
+        op = horovod_op(hvd, reduce_op)
         with torch.inference_mode(False):
-            return hvd.allreduce(_writable(tensor), op=op)
+            return hvd.allreduce(writable(tensor), op=op)
 
+    @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         if group is not None:
             raise ValueError("Horovod cannot gather over a sub-group of workers; leave `group` unset.")
@@ -251,8 +237,9 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         if not self._in_horovod():
             return tensor.unsqueeze(0)
         with torch.inference_mode(False), contextlib.nullcontext() if sync_grads else torch.no_grad():
-            return self._hvd.allgather(_writable(tensor).unsqueeze(0))
+            return self._hvd.allgather(writable(tensor).unsqueeze(0))
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         # A fixed name: Horovod names the collective after type(obj) otherwise, and ranks holding
         # different types (`x if rank == 0 else None`) would wait for each other forever.
@@ -260,6 +247,7 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
             return obj
         return self._hvd.broadcast_object(obj, root_rank=src, name="ray_lightning.broadcast")
 
+    @override
     def barrier(self, name: str | None = None) -> None:
         if self._in_horovod():
             self._hvd.join(self.root_device.index if self.root_device.type == "cuda" else -1)
@@ -268,16 +256,19 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         """In a worker with Horovod running; on the driver (``trainer.log_dir`` after fit...) collectives are no-ops."""
         return self._worker is not None and self._hvd.is_initialized()
 
-    def _detach_worker(self) -> None:
+    @override
+    def detach_worker(self) -> None:
         # The next call's workers meet through a new rendezvous: start Horovod afresh then.
         hvd = self._hvd
         if hvd.is_initialized():
             hvd.shutdown()
-        super()._detach_worker()
+        super().detach_worker()
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
 
+    @override
     def teardown(self) -> None:
         # Every worker finishes its last collective before any leaves; but a failed worker must not
         # join, since hvd.join lets the others train on without it and would hide the failure.
@@ -286,40 +277,6 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         super().teardown()
         if self._worker is not None and self.root_device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _writable(tensor: Tensor) -> Tensor:
-    # Horovod fills its outputs from its background thread, which is outside Lightning's
-    # torch.inference_mode, where inference tensors cannot be written: hand it normal tensors.
-    return tensor.clone() if tensor.is_inference() else tensor
-
-
-def _horovod_op(hvd: Any, reduce_op: Any) -> Any:
-    name = getattr(reduce_op, "name", reduce_op)  # torch's ReduceOp.SUM, or a string
-    name = "mean" if name is None else str(name).lower()
-    ops = {"mean": hvd.Average, "avg": hvd.Average, "sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}
-    if name not in ops:
-        raise ValueError(f"HorovodRayStrategy cannot reduce with {reduce_op!r}; use one of {sorted(ops)}.")
-    return ops[name]
-
-
-def _retarget_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
-    """Point an LR scheduler at the Horovod optimizer that replaced the one it was built with.
-
-    Both share the same ``param_groups``, so the rates the scheduler sets already reach the new
-    optimizer; re-pointing keeps torch's "scheduler stepped before optimizer" check (which
-    watches ``optimizer.step``) from warning on every run.
-    """
-    scheduler.optimizer = optimizer
-    step = optimizer.step
-
-    @functools.wraps(step)
-    def counted_step(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]  # what torch's own wrapper records
-        return step(*args, **kwargs)
-
-    counted_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = counted_step  # type: ignore[method-assign]
 
 
 if "horovod_ray" not in StrategyRegistry:

@@ -1,55 +1,42 @@
 """What every ray_lightning strategy shares, whatever moves the gradients (DDP or Horovod).
 
-:class:`RayWorkersMixin` goes before a Lightning strategy class in the bases
+:class:`RayWorkersMixin` goes first in a strategy's bases
 (``class RayStrategy(RayWorkersMixin, DDPStrategy)``). It owns the description of the workers
-(:class:`~ray_lightning.resources.WorkerResources`), hands Lightning a
-:class:`~ray_lightning.launcher.RayLauncher` instead of a process launcher, keeps Lightning from
-choosing devices by the driver's hardware, and, inside a worker, answers rank and device
-questions from what the launcher decided (:meth:`RayWorkersMixin._attach_worker`).
+(:class:`~ray_lightning.config.WorkerResources` and the time bounds), hands Lightning a
+:class:`~ray_lightning.launch.launcher.RayLauncher` instead of a process launcher, keeps Lightning
+from choosing devices by the driver's hardware, and, inside a worker, answers rank and device
+questions from what the launcher decided (:meth:`RayWorkersMixin.attach_worker`). Lightning's
+private hooks it needs are overridden in :class:`~ray_lightning._lightning.LightningStrategyHooks`.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning_fabric.utilities.rank_zero import rank_zero_only as utils_rank_zero_only
 from pytorch_lightning.plugins.precision import MixedPrecision
 from pytorch_lightning.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from typing_extensions import override
 
+from ray_lightning._lightning import LightningStrategyHooks
+from ray_lightning.config import WorkerResources, WorkerTimeouts
 from ray_lightning.environment import RayEnvironment
-from ray_lightning.launcher import RayLauncher
-from ray_lightning.resources import WorkerResources
+from ray_lightning.launch.launcher import RayLauncher
+from ray_lightning.launch.rendezvous import Rendezvous, TorchStoreRendezvous
+from ray_lightning.runtime import WorkerContext
+from ray_lightning.strategies.accelerator import RayAccelerator
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-    from ray_lightning.accelerator import RayAccelerator
-    from ray_lightning.worker import WorkerContext
 
-_DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
-_DEFAULT_WORKER_START_TIMEOUT_S = 300.0
-_DEFAULT_KEEP_WORKERS_ALIVE_S = 60.0
-
-
-def _seconds(name: str, value: float | None, env: str, default: float, zero_ok: bool = False) -> float:
-    if value is None:
-        value = float(os.environ.get(env, default))
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not zero_ok):
-        kind = "non-negative" if zero_ok else "positive"
-        raise ValueError(f"{name} must be a {kind} number of seconds, got {value!r}.")
-    return float(value)
-
-
-class RayWorkersMixin:
+class RayWorkersMixin(LightningStrategyHooks):
     """Workers on Ray actors for a Lightning ``ParallelStrategy`` subclass; see the module docstring."""
 
-    # How the workers meet: "torch" (a TCPStore opened by rank 0) or "horovod" (horovod.ray's
-    # Gloo rendezvous server, run by rank 0). Read by the launcher.
-    _rendezvous = "torch"
-    _accelerator: pl.accelerators.Accelerator | None
+    # The accelerator the Trainer gets with this strategy (the classic form of the same workers).
+    accelerator_class: type[RayAccelerator] = RayAccelerator
     _cluster_environment: RayEnvironment | None
 
     def _init_workers(
@@ -63,35 +50,14 @@ class RayWorkersMixin:
         """Validate and keep the worker description; call before the Lightning strategy's ``__init__``."""
         if init_hook is not None and not callable(init_hook):
             raise TypeError(f"init_hook must be a function taking no arguments, got {init_hook!r}.")
+        timeouts = WorkerTimeouts.resolve(placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s)
         self.resources = resources
         self.init_hook = init_hook
-        self.placement_timeout_s = _seconds(
-            "placement_timeout_s",
-            placement_timeout_s,
-            "RAY_LIGHTNING_PLACEMENT_TIMEOUT_S",
-            _DEFAULT_PLACEMENT_TIMEOUT_S,
-        )
-        self.worker_start_timeout_s = _seconds(
-            "worker_start_timeout_s",
-            worker_start_timeout_s,
-            "RAY_LIGHTNING_WORKER_START_TIMEOUT_S",
-            _DEFAULT_WORKER_START_TIMEOUT_S,
-        )
-        self.keep_workers_alive_s = _seconds(
-            "keep_workers_alive_s",
-            keep_workers_alive_s,
-            "RAY_LIGHTNING_KEEP_WORKERS_ALIVE_S",
-            _DEFAULT_KEEP_WORKERS_ALIVE_S,
-            zero_ok=True,
-        )
+        self.placement_timeout_s = timeouts.placement_s
+        self.worker_start_timeout_s = timeouts.start_s
+        self.keep_workers_alive_s = timeouts.keep_alive_s
         self._worker: WorkerContext | None = None
         self._rendezvous_store: Any = None
-
-    @classmethod
-    def _accelerator_class(cls) -> type[RayAccelerator]:
-        from ray_lightning.accelerator import RayAccelerator
-
-        return RayAccelerator
 
     # -- configuration seen on the driver --------------------------------------------------------
 
@@ -104,30 +70,46 @@ class RayWorkersMixin:
         return self.resources.use_gpu
 
     @property
-    def accelerator(self) -> pl.accelerators.Accelerator | None:
-        return self._accelerator
+    def num_cpus_per_worker(self) -> float:
+        """CPUs each worker reserves (``resources_per_worker['CPU']`` when given), as in ray_lightning 0.3."""
+        return self.resources.cpus
 
-    @accelerator.setter
-    def accelerator(self, accelerator: pl.accelerators.Accelerator | None) -> None:
+    @property
+    def num_gpus_per_worker(self) -> float:
+        """GPUs each worker reserves (0, a fraction, or whole GPUs), as in ray_lightning 0.3."""
+        return self.resources.gpus
+
+    @property
+    def rendezvous(self) -> Rendezvous:
+        """How this strategy's workers meet: torch.distributed's TCPStore, opened by rank 0."""
+        return TorchStoreRendezvous()
+
+    @override
+    def make_launcher(self) -> RayLauncher:
+        return RayLauncher(self)
+
+    def check_trainer(self, trainer: pl.Trainer) -> None:
+        """Refuse, on the driver and before any worker starts, a Trainer this strategy cannot run."""
+
+    @override
+    def choose_accelerator(self, accelerator: Any) -> RayAccelerator:
         # Lightning assigns the accelerator it chose from the driver's hardware; the workers'
         # reserved GPUs decide instead.
-        self._accelerator = None if accelerator is None else self._accelerator_for_trainer(accelerator)
+        return self._accelerator_for_trainer(accelerator)
 
-    def _prepare_for_trainer(self, requested: Any) -> pl.accelerators.Accelerator:
+    def prepare_for_trainer(self, requested: Any) -> RayAccelerator:
         """Called as a Trainer is built with this strategy: returns the accelerator it should use."""
         accelerator = self._accelerator_for_trainer(requested)
         # A strategy reused for another Trainer still holds what Lightning gave it last time, which
         # Lightning would take as conflicting flags.
-        self._accelerator = None
+        self.forget_accelerator()
         self.parallel_devices = None
         return accelerator
 
-    def _accelerator_for_trainer(self, requested: Any) -> pl.accelerators.Accelerator:
+    def _accelerator_for_trainer(self, requested: Any) -> RayAccelerator:
         """What the Trainer should use when this strategy is given with ``accelerator=requested``."""
-        from ray_lightning.accelerator import RayAccelerator
-
         if isinstance(requested, RayAccelerator):
-            if requested._strategy is not None and requested._strategy is not self:
+            if not requested.belongs_to(self):
                 raise ValueError(
                     f"Pass either accelerator={type(requested).__name__}(...) or strategy="
                     f"{type(self).__name__}(...), not both: each describes the workers to start."
@@ -142,7 +124,7 @@ class RayWorkersMixin:
                 f"{'CUDA' if self.use_gpu else 'CPU'} because the workers reserve "
                 f"{self.resources.gpus:g} GPU each (use_gpu / resources_per_worker decide)."
             )
-        return self._accelerator_class()._for_strategy(self)
+        return self.accelerator_class.for_strategy(self)
 
     @property
     def cluster_environment(self) -> RayEnvironment | None:
@@ -158,22 +140,26 @@ class RayWorkersMixin:
         self._cluster_environment = env
 
     @property
+    @override
     def root_device(self) -> torch.device:
         if self._worker is not None and self._worker.device_index is not None:
             return torch.device("cuda", self._worker.device_index)
         return torch.device("cpu")
 
     @property
+    @override
     def num_processes(self) -> int:
         if self._worker is not None and self._cluster_environment is not None:
             return self._cluster_environment.local_world_size
         return self.num_workers
 
     @property
+    @override
     def num_nodes(self) -> int:
         return self._worker.num_nodes if self._worker is not None else 1
 
     @num_nodes.setter
+    @override
     def num_nodes(self, num_nodes: int) -> None:
         # Ray decides how many nodes the workers span.
         if num_nodes != 1:
@@ -183,23 +169,19 @@ class RayWorkersMixin:
             )
 
     @property
+    @override
     def is_distributed(self) -> bool:
         return True
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
-    def _configure_launcher(self) -> None:
-        self._launcher = RayLauncher(self)
-
-    def _check_trainer(self, trainer: pl.Trainer) -> None:
-        """Refuse, on the driver and before any worker starts, a Trainer this strategy cannot run."""
-
     # -- inside a worker ----------------------------------------------------------------------------
 
-    def _attach_worker(self, context: WorkerContext, rendezvous_store: Any) -> None:
-        """Called by the worker actor before training with its rank, device and rendezvous handle."""
+    def attach_worker(self, context: WorkerContext, rendezvous_store: Any) -> None:
+        """Called by the worker before the call with its rank, device and rendezvous handle."""
         self._worker = context
         self._rendezvous_store = rendezvous_store
         assert self._cluster_environment is not None
@@ -211,14 +193,15 @@ class RayWorkersMixin:
             # disabled for good, so build it anew for the device this worker trains on.
             self.precision_plugin = MixedPrecision(plugin.precision, self.root_device.type)
 
-    def _detach_worker(self) -> None:
-        """Called by the worker actor after a call succeeded: leave the process group, so that the
+    def detach_worker(self) -> None:
+        """Called by the worker after a call succeeded: leave the process group, so that the
         process can join the next call's."""
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         self._worker = None
         self._rendezvous_store = None
 
+    @override
     def set_world_ranks(self) -> None:
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 

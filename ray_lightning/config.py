@@ -1,18 +1,106 @@
-"""What each worker asks Ray for, checked before anything is launched.
+"""What the user asked for, checked before anything is launched, and the settings every layer reads.
 
-Two checks live here: :func:`resolve_worker_resources` validates the arguments a user passes
-(no Ray needed), and :func:`check_cluster_can_hold` compares the request with the cluster Ray is
-connected to, so that an impossible request fails at once instead of waiting forever.
+* :class:`WorkerResources` / :func:`resolve_worker_resources`: what each worker reserves and how
+  many workers there are (no Ray needed to check them);
+* :func:`worker_layout`: Horovod's ``num_workers`` or ``num_hosts`` x ``num_slots``;
+* :class:`WorkerTimeouts`: the three time bounds, from arguments or ``RAY_LIGHTNING_*`` variables;
+* the names of those variables and the package's other fixed settings.
+
+Whether the cluster can hold a request is checked at launch (:mod:`ray_lightning.launch.placement`).
 """
 
 from __future__ import annotations
 
-import difflib
 import math
 import numbers
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+# Environment variables that set a strategy argument the user left out.
+PLACEMENT_TIMEOUT_ENV = "RAY_LIGHTNING_PLACEMENT_TIMEOUT_S"
+WORKER_START_TIMEOUT_ENV = "RAY_LIGHTNING_WORKER_START_TIMEOUT_S"
+KEEP_WORKERS_ALIVE_ENV = "RAY_LIGHTNING_KEEP_WORKERS_ALIVE_S"
+DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
+DEFAULT_WORKER_START_TIMEOUT_S = 300.0
+DEFAULT_KEEP_WORKERS_ALIVE_S = 60.0
+
+# Environment variables of the driver that Lightning reads in the workers (seed, deterministic flags).
+FORWARDED_ENV_PREFIXES = ("PL_", "CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED")
+# How long to look for a dead worker behind another worker's exception (its peers fail at once too).
+DEATH_GRACE_S = 2.0
+# How long a kept worker may take to say whether it can run another call before a fresh one replaces it.
+REUSE_CHECK_TIMEOUT_S = 30.0
+
+
+def _seconds(name: str, value: float | None, env: str, default: float, zero_ok: bool = False) -> float:
+    if value is None:
+        value = float(os.environ.get(env, default))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not zero_ok):
+        kind = "non-negative" if zero_ok else "positive"
+        raise ValueError(f"{name} must be a {kind} number of seconds, got {value!r}.")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class WorkerTimeouts:
+    """The time bounds of a launch, in seconds.
+
+    ``placement_s``: waiting for the cluster to free the resources; ``start_s``: started workers
+    reporting in and meeting; ``keep_alive_s``: workers waiting for the next call (0: never).
+    """
+
+    placement_s: float
+    start_s: float
+    keep_alive_s: float
+
+    @classmethod
+    def resolve(
+        cls, placement_timeout_s: float | None, worker_start_timeout_s: float | None, keep_workers_alive_s: float | None
+    ) -> WorkerTimeouts:
+        """Arguments left as None come from the ``RAY_LIGHTNING_*`` variables, else the defaults."""
+        return cls(
+            _seconds("placement_timeout_s", placement_timeout_s, PLACEMENT_TIMEOUT_ENV, DEFAULT_PLACEMENT_TIMEOUT_S),
+            _seconds(
+                "worker_start_timeout_s",
+                worker_start_timeout_s,
+                WORKER_START_TIMEOUT_ENV,
+                DEFAULT_WORKER_START_TIMEOUT_S,
+            ),
+            _seconds(
+                "keep_workers_alive_s",
+                keep_workers_alive_s,
+                KEEP_WORKERS_ALIVE_ENV,
+                DEFAULT_KEEP_WORKERS_ALIVE_S,
+                zero_ok=True,
+            ),
+        )
+
+
+def worker_layout(num_workers: Any, num_hosts: Any, num_slots: Any) -> tuple[int, int | None]:
+    """``(number of workers, number of hosts or None)`` from the three ways of saying how many.
+
+    ``num_workers`` alone lets Ray pack the workers; ``num_hosts`` and/or ``num_slots`` put
+    ``num_slots`` workers on each of ``num_hosts`` different nodes (a missing one counts as 1).
+    """
+    for name, value in (("num_workers", num_workers), ("num_hosts", num_hosts), ("num_slots", num_slots)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int >= 1, got {value!r}.")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value!r}.")
+    if num_workers is not None and (num_hosts is not None or num_slots is not None):
+        raise ValueError(
+            "Give either num_workers (Ray packs the workers onto as few nodes as it can) or "
+            "num_hosts/num_slots (num_slots workers on each of num_hosts nodes), not both."
+        )
+    if num_hosts is None and num_slots is None:
+        return (num_workers or 1), None
+    hosts, slots = num_hosts or 1, num_slots or 1
+    return hosts * slots, hosts
+
 
 # Names users write for Ray's built-in resources; Ray only understands the canonical spelling.
 _CANONICAL = {
@@ -83,14 +171,14 @@ class WorkerResources:
         return options
 
     def describe(self) -> str:
-        parts = [f"{_fmt(v)} {k}" for k, v in self.bundle().items()]
+        parts = [f"{fmt_amount(v)} {k}" for k, v in self.bundle().items()]
         each = f"{{{', '.join(parts) or 'nothing'}}}"
         if self.num_hosts:
             return f"{self.num_hosts} host(s) x {self.workers_per_host} worker(s) x {each}"
         return f"{self.num_workers} worker(s) x {each}"
 
 
-def _fmt(value: float) -> str:
+def fmt_amount(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
@@ -160,63 +248,6 @@ def resolve_worker_resources(
     return WorkerResources(int(num_workers), cpus, gpus, custom, num_hosts)
 
 
-class ClusterResourceError(RuntimeError):
-    """The cluster cannot hold the requested workers; the message says what was asked and what exists."""
-
-
-def check_cluster_can_hold(request: WorkerResources, nodes: list[dict[str, float]]) -> None:
-    """Fail at once when no waiting could ever place ``request`` on the alive ``nodes``.
-
-    ``nodes`` holds each alive node's total resources (``ray.nodes()[i]["Resources"]``).
-    A request that only lacks *free* resources is left to the bounded placement wait.
-    """
-    totals: dict[str, float] = {}
-    for node in nodes:
-        for name, amount in node.items():
-            totals[name] = totals.get(name, 0.0) + amount
-    bundle = request.bundle()
-
-    for name, amount in bundle.items():
-        if name == "GPU" and totals.get("GPU", 0) == 0:
-            raise ClusterResourceError(
-                f"Asked for {_fmt(amount)} GPU per worker (use_gpu=True or resources_per_worker['GPU']), "
-                f"but the Ray cluster has no GPUs ({describe_totals(totals)}). "
-                "Set use_gpu=False to train on CPUs, or connect to a cluster with GPU nodes."
-            )
-        if name not in totals:
-            known = sorted(k for k in totals if not k.startswith("node:") and "_group_" not in k)
-            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ClusterResourceError(
-                f"resources_per_worker asks for {name!r}, which no node in the Ray cluster has.{hint} "
-                f"The cluster has: {', '.join(known)}."
-            )
-
-    if not any(all(node.get(k, 0) >= v for k, v in bundle.items()) for node in nodes):
-        raise ClusterResourceError(
-            f"No single node can hold one worker {describe_totals(bundle)}; "
-            f"the nodes have: {'; '.join(describe_totals(n) for n in nodes)}. "
-            "Ask for fewer resources per worker."
-        )
-    if request.num_hosts:
-        per_host = {k: v * request.workers_per_host for k, v in bundle.items()}
-        fitting = sum(all(node.get(k, 0) >= v for k, v in per_host.items()) for node in nodes)
-        if fitting < request.num_hosts:
-            raise ClusterResourceError(
-                f"Asked for {request.describe()}: {request.num_hosts} different nodes that each hold "
-                f"{describe_totals(per_host)}, but only {fitting} of the cluster's {len(nodes)} node(s) can "
-                f"(the nodes have: {'; '.join(describe_totals(n) for n in nodes)}). "
-                "Use fewer hosts or slots, or num_workers to let Ray pack the workers."
-            )
-    for name, amount in bundle.items():
-        if amount * request.num_workers > totals.get(name, 0) + 1e-9:
-            raise ClusterResourceError(
-                f"Asked for {request.describe()} = {_fmt(amount * request.num_workers)} {name} in all, "
-                f"but the whole Ray cluster has {_fmt(totals.get(name, 0))} {name} "
-                f"({describe_totals(totals)}). Use fewer workers or fewer resources per worker."
-            )
-
-
 def describe_totals(resources: Mapping[str, float]) -> str:
     shown = {
         k: v
@@ -224,4 +255,4 @@ def describe_totals(resources: Mapping[str, float]) -> str:
         if k in _BUILTIN[:2] or (not k.startswith("node:") and k not in ("memory", "object_store_memory"))
     }
     shown = {k: v for k, v in shown.items() if "_group_" not in k}
-    return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in sorted(shown.items())) + "}"
+    return "{" + ", ".join(f"{k}: {fmt_amount(v)}" for k, v in sorted(shown.items())) + "}"

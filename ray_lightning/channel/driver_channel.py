@@ -7,22 +7,26 @@ driver as soon as it arrives (it waits on the channel and on the workers togethe
 polling), in the order sent, and runs whatever is left before ``fit`` returns.
 
 The channel is a :class:`ray.util.queue.Queue`, created only for Trainers with a callback that
-sets ``needs_driver_channel = True`` (it costs an extra actor).
+sets ``needs_driver_channel = True`` or a progress bar (it costs an extra actor).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
+from pytorch_lightning.callbacks import TQDMProgressBar
 from ray import cloudpickle
 from ray.util.queue import Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-# Set in a worker while it trains (ray_lightning.worker); None on the driver.
-_worker_queue: Queue | None = None
+from ray_lightning import runtime
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
 _END = "ray_lightning: end of driver calls"
 
 
@@ -31,15 +35,21 @@ def send_to_driver(function: Callable[..., Any], *args: Any) -> None:
 
     ``function`` must be importable by name (a module-level function) or picklable.
     """
-    if _worker_queue is None:
+    context = runtime.current_context()
+    queue = context.driver_queue if context is not None else None
+    if queue is None:
         function(*args)
     else:
         # Pickled here: the queue actor then holds bytes and never imports what the call needs.
-        _worker_queue.put(cloudpickle.dumps((function, args)))
+        queue.put(cloudpickle.dumps((function, args)))
 
 
-def needs_channel(callbacks: list[Any]) -> bool:
-    return any(getattr(cb, "needs_driver_channel", False) for cb in callbacks)
+def needs_channel(trainer: pl.Trainer) -> bool:
+    """Whether rank 0 will send calls to the driver: a callback asks for it (Tune reports), or the
+    progress bar, which the driver draws."""
+    return any(getattr(cb, "needs_driver_channel", False) for cb in trainer.callbacks) or isinstance(
+        trainer.progress_bar_callback, TQDMProgressBar
+    )
 
 
 class DriverChannel:

@@ -1,10 +1,12 @@
-"""``RayAccelerator``: the accelerator the Trainer sees when training runs on Ray workers.
+"""``RayAccelerator`` and ``HorovodRayAccelerator``: the accelerator the Trainer sees when training runs on Ray workers.
 
-It serves two purposes:
+They serve two purposes:
 
 * ``Trainer(accelerator=RayAccelerator(num_workers=4, cpus_per_worker=1, use_gpu=False))`` — the
   classic form. Lightning 2.x picks strategies apart from accelerators, so
-  :mod:`ray_lightning.accelerator_hook` turns this accelerator into a :class:`RayStrategy`.
+  :mod:`ray_lightning._lightning.connector` turns this accelerator into the strategy registered
+  under its ``strategy_name`` (``"ray"``: :class:`~ray_lightning.RayStrategy`; ``"horovod_ray"``:
+  :class:`~ray_lightning.HorovodRayStrategy`), found through Lightning's ``StrategyRegistry``.
 * Inside each worker it does what Lightning's CPU or CUDA accelerator would do, following the
   device the worker really got: the driver may have no GPU while the workers do.
 """
@@ -15,17 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from pytorch_lightning.accelerators import Accelerator, AcceleratorRegistry, CPUAccelerator, CUDAAccelerator
+from pytorch_lightning.strategies import StrategyRegistry
+from typing_extensions import override
 
-from ray_lightning import accelerator_hook
+from ray_lightning import _lightning, runtime
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
-
-    from ray_lightning.horovod_strategy import HorovodRayStrategy
-    from ray_lightning.strategy_base import RayWorkersMixin
-
-# Set by the worker actor (ray_lightning.worker) so the accelerator knows it runs where training happens.
-_IN_RAY_WORKER = False
 
 
 class RayAccelerator(Accelerator):
@@ -45,6 +43,9 @@ class RayAccelerator(Accelerator):
         trainer.fit(model)
     """
 
+    # The name of the strategy this accelerator stands for, in Lightning's StrategyRegistry.
+    strategy_name = "ray"
+
     def __init__(
         self,
         num_workers: int = 1,
@@ -52,36 +53,38 @@ class RayAccelerator(Accelerator):
         use_gpu: bool = False,
         **strategy_kwargs: Any,
     ) -> None:
-        accelerator_hook.ensure_installed()
+        _lightning.ensure_installed()
         super().__init__()
         self._strategy_kwargs = dict(
             num_workers=num_workers, num_cpus_per_worker=cpus_per_worker, use_gpu=use_gpu, **strategy_kwargs
         )
-        self._strategy: RayWorkersMixin | None = None
+        self._strategy: Any = None
         # Validate now so bad arguments fail in Trainer(...), not in fit().
         self.make_strategy()
 
-    @classmethod
-    def _strategy_class(cls) -> type[RayWorkersMixin]:
-        from ray_lightning.strategy import RayStrategy
+    def strategy_class(self) -> type:
+        """The strategy class registered under :attr:`strategy_name`."""
+        return StrategyRegistry[self.strategy_name]["strategy"]
 
-        return RayStrategy
-
-    def make_strategy(self) -> RayWorkersMixin:
+    def make_strategy(self) -> Any:
         """The strategy this accelerator stands for (built once)."""
         if self._strategy is None:
-            self._strategy = self._strategy_class()(**self._strategy_kwargs)
+            self._strategy = self.strategy_class()(**self._strategy_kwargs)
             self._strategy.accelerator = self
         return self._strategy
 
     @classmethod
-    def _for_strategy(cls, strategy: RayWorkersMixin) -> RayAccelerator:
+    def for_strategy(cls, strategy: Any) -> RayAccelerator:
         """The accelerator a strategy uses when the user did not pass one of these accelerators."""
         accelerator = cls.__new__(cls)
         Accelerator.__init__(accelerator)
         accelerator._strategy_kwargs = {}
         accelerator._strategy = strategy
         return accelerator
+
+    def belongs_to(self, strategy: Any) -> bool:
+        """Whether this accelerator describes ``strategy``'s workers (or none yet)."""
+        return self._strategy is None or self._strategy is strategy
 
     # -- inside a worker: behave like Lightning's accelerator for the device the worker got --------
 
@@ -90,48 +93,58 @@ class RayAccelerator(Accelerator):
         device = torch.device(device) if device is not None else torch.device("cpu")
         return CUDAAccelerator() if device.type == "cuda" else CPUAccelerator()
 
+    @override
     def setup_device(self, device: torch.device) -> None:
-        if not _IN_RAY_WORKER:
-            accelerator_hook.raise_not_converted(self)
+        if not runtime.in_worker():
+            _lightning.raise_not_converted(self)
         if device.type == "cuda":
             CUDAAccelerator().setup_device(device)
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.strategy.root_device.type == "cuda":
             CUDAAccelerator().setup(trainer)
 
+    @override
     def teardown(self) -> None:
-        if _IN_RAY_WORKER and torch.cuda.is_initialized():
+        if runtime.in_worker() and torch.cuda.is_initialized():
             CUDAAccelerator().teardown()
 
+    @override
     def get_device_stats(self, device: str | torch.device) -> dict[str, Any]:
         return self._delegate(device).get_device_stats(device)
 
     # -- on the driver: Lightning asks these while building the Trainer ----------------------------
 
     @staticmethod
+    @override
     def parse_devices(devices: Any) -> Any:
         # The number of workers decides the devices; `Trainer(devices=...)` has no say.
         return devices
 
     @staticmethod
+    @override
     def get_parallel_devices(devices: Any) -> list[torch.device]:
         # A placeholder: each worker learns its real device at launch.
         return [torch.device("cpu")]
 
     @staticmethod
+    @override
     def auto_device_count() -> int:
         return 1
 
     @staticmethod
+    @override
     def is_available() -> bool:
         return True
 
     @staticmethod
+    @override
     def name() -> str:
         return "ray"
 
     @classmethod
+    @override
     def register_accelerators(cls, accelerator_registry: Any) -> None:
         accelerator_registry.register(cls.name(), cls, description=f"{cls.__name__} (ray_lightning)")
 
@@ -157,6 +170,8 @@ class HorovodRayAccelerator(RayAccelerator):
         trainer.fit(model)
     """
 
+    strategy_name = "horovod_ray"
+
     def __init__(
         self,
         num_workers: int | None = None,
@@ -175,13 +190,8 @@ class HorovodRayAccelerator(RayAccelerator):
             **strategy_kwargs,
         )
 
-    @classmethod
-    def _strategy_class(cls) -> type[HorovodRayStrategy]:
-        from ray_lightning.horovod_strategy import HorovodRayStrategy
-
-        return HorovodRayStrategy
-
     @staticmethod
+    @override
     def name() -> str:
         return "horovod_ray"
 

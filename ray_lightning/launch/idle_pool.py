@@ -23,18 +23,17 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-if TYPE_CHECKING:
-    from ray_lightning.launcher import _WorkerGroup
-    from ray_lightning.resources import WorkerResources
+from ray_lightning.config import REUSE_CHECK_TIMEOUT_S
 
-# How long `reusable` may take to answer before the group is replaced by a fresh one.
-_CHECK_TIMEOUT_S = 30.0
+if TYPE_CHECKING:
+    from ray_lightning.config import WorkerResources
+    from ray_lightning.launch.worker_group import WorkerGroup
 
 _lock = threading.Lock()
-_idle: tuple[WorkerResources, _WorkerGroup, threading.Timer] | None = None
+_idle: tuple[WorkerResources, WorkerGroup, threading.Timer] | None = None
 
 
-def keep(request: WorkerResources, group: _WorkerGroup, seconds: float) -> None:
+def keep(request: WorkerResources, group: WorkerGroup, seconds: float) -> None:
     """Keep ``group`` for the next call asking for ``request``; stop it after ``seconds`` unused."""
     global _idle
     timer = threading.Timer(seconds, _expire, args=(group,))
@@ -45,7 +44,7 @@ def keep(request: WorkerResources, group: _WorkerGroup, seconds: float) -> None:
     timer.start()
 
 
-def take(request: WorkerResources) -> _WorkerGroup | None:
+def take(request: WorkerResources) -> WorkerGroup | None:
     """The waiting group if it matches ``request`` and can run another call; else None (and none waits)."""
     global _idle
     with _lock:
@@ -79,13 +78,13 @@ def release_idle_workers() -> None:
     _stop(waiting)
 
 
-def _stop(waiting: tuple[WorkerResources, _WorkerGroup, threading.Timer] | None) -> None:
+def _stop(waiting: tuple[WorkerResources, WorkerGroup, threading.Timer] | None) -> None:
     if waiting is not None:
         waiting[2].cancel()
         waiting[1].shutdown()
 
 
-def _expire(group: _WorkerGroup) -> None:
+def _expire(group: WorkerGroup) -> None:
     global _idle
     with _lock:
         if _idle is None or _idle[1] is not group:
@@ -95,12 +94,12 @@ def _expire(group: _WorkerGroup) -> None:
         group.shutdown()
 
 
-def _still_usable(group: _WorkerGroup) -> bool:
+def _still_usable(group: WorkerGroup) -> bool:
     """Every actor is alive, in this Ray session, and has no changed code."""
     if not group.in_current_session():
         return False
     try:
         refs: list[Any] = [actor.reusable.remote() for actor in group.actors]
-        return all(ray.get(refs, timeout=_CHECK_TIMEOUT_S))
+        return all(ray.get(refs, timeout=REUSE_CHECK_TIMEOUT_S))
     except Exception:  # noqa: BLE001 - a dead actor, a timeout: start afresh
         return False

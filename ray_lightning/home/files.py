@@ -10,8 +10,7 @@ fails, the launcher fetches them from rank 0's node (:func:`fetch_after_failure`
 loses no checkpoint. The checkpoint callbacks' state, in the ``.ckpt`` files and sent back, holds
 the driver's paths.
 
-Lightning has no public setter for these directories, so the attributes below are the one place
-this package touches them; ``tests/test_driver_files.py`` fails if Lightning renames them.
+The directory attributes rewritten here are Lightning's (:func:`ray_lightning._lightning.directory_holders`).
 """
 
 from __future__ import annotations
@@ -19,36 +18,37 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ray
-from lightning_fabric.utilities.cloud_io import _is_local_file_protocol
 from pytorch_lightning.callbacks import ModelCheckpoint
+
+from ray_lightning import _lightning
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-# Where the Trainer, its loggers and checkpoint callbacks keep the directories they write into.
-_TRAINER_ATTRIBUTES = ("_default_root_dir",)
-_LOGGER_ATTRIBUTES = ("_root_dir", "_save_dir")  # CSVLogger, TensorBoardLogger (and their fabric bases)
-_CHECKPOINT_ATTRIBUTES = ("dirpath", "best_model_path", "last_model_path", "kth_best_model_path")
 
+@dataclass(frozen=True)
+class StagingArea:
+    """Where rank 0, off the driver's machine, writes its files during a call: directory ``name`` on ``node_id``."""
 
-def _path_holders(trainer: pl.Trainer) -> Iterator[tuple[Any, tuple[str, ...]]]:
-    yield trainer, _TRAINER_ATTRIBUTES
-    for logger in trainer.loggers:
-        yield logger, _LOGGER_ATTRIBUTES
-    for callback in trainer.callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            yield callback, _CHECKPOINT_ATTRIBUTES
+    node_id: str
+    name: str
+
+    @classmethod
+    def new(cls, node_id: str) -> StagingArea:
+        return cls(node_id, f"ray_lightning-staging-{uuid.uuid4().hex[:12]}")
 
 
 def _map_paths(trainer: pl.Trainer, mapping: Callable[[str], str]) -> None:
-    for holder, attributes in _path_holders(trainer):
+    for holder, attributes in _lightning.directory_holders(trainer):
         for name in attributes:
             value = getattr(holder, name, None)
-            if isinstance(value, (str, os.PathLike)) and _is_local_file_protocol(value) and os.fspath(value):
+            if isinstance(value, (str, os.PathLike)) and _lightning.is_local_file_protocol(value) and os.fspath(value):
                 setattr(holder, name, mapping(os.fspath(value)))
         if isinstance(holder, ModelCheckpoint):
             holder.best_k_models = {mapping(str(k)): v for k, v in holder.best_k_models.items()}
@@ -94,26 +94,26 @@ def to_staged(path: str, staging: str) -> str:
     return os.path.join(staging, os.path.splitdrive(path)[1].lstrip("/\\"))
 
 
+def _map_strings(value: Any, mapping: Callable[[str], str]) -> Any:
+    """``value`` with ``mapping`` applied to every string in it, dict keys and nested containers included."""
+    if isinstance(value, str):
+        return mapping(value)
+    if isinstance(value, dict):
+        return {_map_strings(k, mapping): _map_strings(v, mapping) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_map_strings(v, mapping) for v in value)
+    return value
+
+
 def from_staged(value: Any, staging: str) -> Any:
     """``value`` (a path, or dicts/lists/tuples holding paths) with staged paths mapped back to the driver's."""
-    if isinstance(value, str):
-        return value[len(staging) :] if value.startswith(staging + os.sep) else value
-    if isinstance(value, dict):
-        return {from_staged(k, staging): from_staged(v, staging) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(from_staged(v, staging) for v in value)
-    return value
+    prefix = staging + os.sep
+    return _map_strings(value, lambda s: s[len(staging) :] if s.startswith(prefix) else s)
 
 
 def _staged_value(value: Any, staging: str) -> Any:
     """The inverse of :func:`from_staged`: absolute paths in ``value`` moved under ``staging``."""
-    if isinstance(value, str):
-        return to_staged(value, staging) if os.path.isabs(value) else value
-    if isinstance(value, dict):
-        return {_staged_value(k, staging): _staged_value(v, staging) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_staged_value(v, staging) for v in value)
-    return value
+    return _map_strings(value, lambda s: to_staged(s, staging) if os.path.isabs(s) else s)
 
 
 def collect(staging: str) -> dict[str, bytes]:
@@ -135,16 +135,16 @@ def collect_and_remove(name: str) -> dict[str, bytes]:
     return files
 
 
-def fetch_after_failure(node_id: str, name: str, timeout_s: float) -> list[str]:
-    """After a failed call: bring what rank 0 staged on ``node_id`` to the driver; returns the paths written.
+def fetch_after_failure(area: StagingArea, timeout_s: float) -> list[str]:
+    """After a failed call: bring what rank 0 staged in ``area`` to the driver; returns the paths written.
 
     Runs as a 0-CPU task on that node, so it needs none of the resources the workers held.
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     task = ray.remote(num_cpus=0, max_retries=0)(collect_and_remove)
-    on_node = NodeAffinitySchedulingStrategy(node_id, soft=False)
-    files = ray.get(task.options(scheduling_strategy=on_node).remote(name), timeout=timeout_s)
+    on_node = NodeAffinitySchedulingStrategy(area.node_id, soft=False)
+    files = ray.get(task.options(scheduling_strategy=on_node).remote(area.name), timeout=timeout_s)
     write(files)
     return sorted(files)
 

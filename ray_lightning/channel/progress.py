@@ -11,12 +11,16 @@ state. With a driver channel they go to the driver, which redraws one bar in pla
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import re
 import sys
 import time
+from collections.abc import Iterator
 from typing import TextIO
+
+from ray_lightning.channel.driver_channel import send_to_driver
 
 # tqdm moves the cursor up/down to draw nested bars (validation inside an epoch).
 _CURSOR_MOVES = re.compile(r"\x1b\[[0-9]*[AB]")
@@ -83,8 +87,6 @@ class ProgressLines(io.TextIOBase):
 
     def _emit_bar(self, line: str, done: bool) -> None:
         if self._to_driver:
-            from ray_lightning.driver_channel import send_to_driver
-
             send_to_driver(show_progress, line.rstrip(), done)
         else:
             self._emit(line)
@@ -117,6 +119,25 @@ class ProgressLines(io.TextIOBase):
     @property
     def encoding(self) -> str:  # type: ignore[override]
         return getattr(self._target, "encoding", "utf-8")
+
+
+@contextlib.contextmanager
+def readable_output(enabled: bool, progress_to_driver: bool) -> Iterator[None]:
+    """On rank 0 (``enabled``), turn the progress bar's in-place redraws into lines Ray can forward.
+
+    With ``progress_to_driver`` the bar's states go to the driver, which draws the one bar.
+    """
+    if not enabled:
+        yield
+        return
+    original = sys.stdout
+    stream = ProgressLines(original, to_driver=progress_to_driver)
+    sys.stdout = stream
+    try:
+        yield
+    finally:
+        stream.close_line()
+        sys.stdout = original
 
 
 # -- on the driver -----------------------------------------------------------------------------------

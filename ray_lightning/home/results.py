@@ -1,0 +1,174 @@
+"""What comes back from the workers, and how it lands on the driver's Trainer and module.
+
+:class:`WorkerOutput` is the whole contract: :func:`collect_worker_output` fills it in each worker
+when the Trainer function returns, :func:`apply_to_driver` reads rank 0's on the driver. Rank 0
+sends trained weights (:mod:`.weights`), metrics, loop progress (so ``trainer.current_epoch``/
+``global_step`` are right), the state of stateful callbacks (``ModelCheckpoint.best_model_path``/
+``best_model_score``, ``EarlyStopping``...), and, when it ran off the driver's machine, the files it
+wrote (:mod:`.files`). When predicting, every rank sends its predictions with their dataset
+indices (:mod:`.predictions`).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.utilities.apply_func import move_data_to_device
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.trainer.states import TrainerFn, TrainerState
+
+from ray_lightning import _lightning
+from ray_lightning.home import files
+from ray_lightning.home.predictions import PredictionRecorder
+from ray_lightning.home.weights import pack_weights, unpack_weights
+
+
+@dataclass
+class WorkerOutput:
+    """Sent by a worker when its ``fit``/``validate``/``test``/``predict`` returns."""
+
+    global_rank: int
+    trainer_state: TrainerState | None = None
+    results: Any = None
+    weights: dict[str, Any] | None = None  # see pack_weights
+    callback_metrics: dict[str, Any] = field(default_factory=dict)
+    logged_metrics: dict[str, Any] = field(default_factory=dict)
+    progress_bar_metrics: dict[str, Any] = field(default_factory=dict)
+    fit_progress: dict[str, Any] | None = None
+    # (state_key, state) in the workers' callback order; two callbacks may share a state_key.
+    callback_states: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    files: dict[str, bytes] = field(default_factory=dict)
+    staged: bool = False  # rank 0 wrote its files elsewhere and sent them: `files` is all there is
+    predictions: list[tuple[int, list[int], Any]] | None = None
+    num_predict_dataloaders: int = 0
+    return_predictions: bool = False
+
+
+def collect_worker_output(
+    trainer: pl.Trainer,
+    results: Any,
+    recorder: PredictionRecorder | None,
+    staging: str | None,
+) -> WorkerOutput | None:
+    """Runs in every worker after the Trainer function returned; None from ranks with nothing to send.
+
+    ``staging``: where rank 0 wrote its files instead of the driver's paths, if it did.
+    """
+    rank = trainer.global_rank
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    # Every rank computes the state dict: torchmetrics states may sync across ranks.
+    weights = trainer.lightning_module.state_dict() if fitting else None
+    predicting = trainer.state.fn == TrainerFn.PREDICTING
+    predictions = recorder.records if recorder is not None else None
+    if rank != 0:
+        return WorkerOutput(global_rank=rank, predictions=predictions) if predictions else None
+
+    output = WorkerOutput(
+        global_rank=rank,
+        trainer_state=trainer.state,
+        # When predicting, the driver rebuilds the results from every rank's `predictions`.
+        results=None if predicting else move_data_to_device(results, "cpu"),
+        weights=pack_weights(weights) if weights is not None else None,
+        callback_metrics=move_data_to_device(dict(trainer.callback_metrics), "cpu"),
+        logged_metrics=move_data_to_device(dict(trainer.logged_metrics), "cpu"),
+        progress_bar_metrics=move_data_to_device(dict(trainer.progress_bar_metrics), "cpu"),
+        fit_progress=_lightning.fit_progress_state(trainer) if fitting else None,
+        predictions=predictions,
+        num_predict_dataloaders=len(trainer.num_predict_batches) if predicting else 0,
+        return_predictions=predicting and trainer.predict_loop.return_predictions,
+    )
+    for callback in trainer.callbacks:
+        state = callback.state_dict()
+        if state:
+            if staging is not None:
+                state = files.from_staged(state, staging)
+            output.callback_states.append((callback.state_key, move_data_to_device(state, "cpu")))
+    if staging is not None:
+        output.staged = True
+        output.files = _staged_files(trainer, staging)
+    return output
+
+
+def _staged_files(trainer: pl.Trainer, staging: str) -> dict[str, bytes]:
+    """What rank 0 wrote under ``staging``, and the checkpoints it wrote elsewhere, keyed by driver paths."""
+    found = files.collect(staging)
+    # Checkpoint callbacks added in the workers (configure_callbacks) wrote to their own paths.
+    for path in _checkpoint_files(trainer):
+        if not path.startswith(staging + os.sep):
+            with open(path, "rb") as f:
+                found[path] = f.read()
+    return found
+
+
+def _checkpoint_files(trainer: pl.Trainer) -> set[str]:
+    paths: set[str] = set()
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            paths.update(str(p) for p in callback.best_k_models)
+            paths.update(
+                str(p) for p in (callback.best_model_path, callback.last_model_path, callback.kth_best_model_path)
+            )
+    return {p for p in paths if p and os.path.isfile(p)}
+
+
+def apply_to_driver(trainer: pl.Trainer, output: WorkerOutput) -> None:
+    """Make the driver's Trainer and module look as if rank 0's run had happened here."""
+    if output.weights is not None:
+        _load_weights(trainer.lightning_module, output.weights)
+        output.weights = None  # release the object store's memory
+    if output.trainer_state is not None:
+        trainer.state = output.trainer_state
+    for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
+        target = getattr(trainer, name)
+        target.clear()
+        target.update(getattr(output, name))
+    if output.fit_progress is not None:
+        _lightning.load_fit_progress(trainer, output.fit_progress)
+    _load_callback_states(trainer, output)
+    files.write(output.files)
+
+
+def _load_weights(module: pl.LightningModule, packed: dict[str, Any]) -> None:
+    with warnings.catch_warnings():
+        # The tensors read the object store's read-only memory in place; load_state_dict only copies from them.
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        weights = unpack_weights(packed)
+    # Parameters and buffers are copied into; other state (torchmetrics' states, extra state) may
+    # be kept as given, so it gets memory of its own instead of the object store's.
+    copied = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
+    weights = {k: v if k in copied or not isinstance(v, torch.Tensor) else v.clone() for k, v in weights.items()}
+    # Non-strict like Lightning's ddp_spawn: layers may have been added in the workers' setup hooks.
+    module.load_state_dict(weights, strict=False)
+
+
+def _load_callback_states(trainer: pl.Trainer, output: WorkerOutput) -> None:
+    remaining = list(output.callback_states)
+    for callback in trainer.callbacks:
+        match = next((i for i, (key, _) in enumerate(remaining) if key == callback.state_key), None)
+        if match is None:
+            continue
+        state = remaining.pop(match)[1]
+        if isinstance(callback, ModelCheckpoint):
+            _load_checkpoint_callback(callback, state, output)
+        else:
+            callback.load_state_dict(state)
+
+
+def _load_checkpoint_callback(callback: ModelCheckpoint, state: dict[str, Any], output: WorkerOutput) -> None:
+    # load_state_dict only restores everything when dirpath matches; the driver never resolved one.
+    callback.dirpath = state.get("dirpath", callback.dirpath)
+    callback.current_score = state.get("current_score")
+    superseded = {*callback.best_k_models, callback.last_model_path}
+    callback.load_state_dict(state)
+    if output.staged:
+        # Rank 0 removed the files it replaced (save_top_k) in its staging directory, where the
+        # earlier calls' files never were: remove them here, as Lightning would have.
+        kept = {*callback.best_k_models, callback.best_model_path, callback.last_model_path}
+        for path in superseded - kept - set(output.files):
+            if path and os.path.isfile(path):
+                os.remove(path)

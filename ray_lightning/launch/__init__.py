@@ -1,0 +1,20 @@
+"""How workers start and run: one Ray actor per worker, placed, ranked and met, for each Trainer call.
+
+Where things are:
+
+* :mod:`.launcher`: ``RayLauncher``, what Lightning calls instead of re-running ``sys.argv``: the
+  steps of a launch, and ``kill``.
+* :mod:`.placement`: can the cluster ever hold the request; the placement group (own or a Tune
+  trial's).
+* :mod:`.worker_group`: starts the actors in the placement, runs a call on them, shuts them down
+  (one clean-up path, also for a half-started group).
+* :mod:`.actor`: the actor itself (``RayWorker``); :mod:`.call`: what one call does inside it.
+* :mod:`.contexts`: each worker's rank, device and environment, from where the actors landed
+  (ranks themselves: :mod:`ray_lightning.environment`).
+* :mod:`.rendezvous`: how the workers meet (torch's TCPStore; Horovod's is in ``ray_lightning.horovod``).
+* :mod:`.poll`: waiting for the workers without polling; a failure is raised with its rank.
+* :mod:`.payload`: the Trainer, module and arguments sent once; the ``ckpt_path`` file.
+* :mod:`.idle_pool`: workers kept alive for the next call of the process.
+* :mod:`.session`: the Ray this process talks to.
+* :mod:`.protocol`: what the launcher needs from a strategy.
+"""

@@ -1,0 +1,95 @@
+"""The Ray actor that runs one training process.
+
+The launcher starts one :class:`RayWorker` per worker (:mod:`.worker_group`). The actor reports
+where it runs (:meth:`RayWorker.node_info`), rank 0 opens the rendezvous
+(:meth:`RayWorker.open_rendezvous`), then every actor receives its rank and runs the Trainer
+function (:meth:`RayWorker.execute`, i.e. :class:`~ray_lightning.launch.call.WorkerCall`). After a
+successful call the actor cleans up (:meth:`RayWorker.finish_call`) and can run the next call of
+the same process (:mod:`.idle_pool`), unless code it imported changed (:meth:`RayWorker.reusable`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from ray_lightning.home.results import WorkerOutput
+from ray_lightning.launch.call import WorkerCall, imported_code_files, mtime
+from ray_lightning.launch.rendezvous import Rendezvous, RendezvousPoint
+from ray_lightning.runtime import WorkerContext
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """Where an actor landed."""
+
+    node_id: str
+    node_ip: str
+    pid: int
+    gpu_ids: list[str]
+
+
+class RayWorker:
+    """One training process. Created through ``ray.remote(RayWorker).options(...)`` by the worker group."""
+
+    def __init__(self, global_rank: int) -> None:
+        self._global_rank = global_rank
+        self._store: Any = None  # the rendezvous rank 0 keeps open during a call
+        # Modification times of the code files imported by the last call (see `reusable`).
+        self._code_files: dict[str, float] = {}
+        self._unfinished: WorkerCall | None = None  # see finish_call
+
+    def __repr__(self) -> str:
+        # Ray prefixes the lines an actor prints with its repr: "(rank 1 pid=...) Epoch 0: ...".
+        return f"rank {self._global_rank}"
+
+    def node_info(self) -> NodeInfo:
+        return NodeInfo(
+            node_id=ray.get_runtime_context().get_node_id(),
+            node_ip=ray.util.get_node_ip_address(),
+            pid=os.getpid(),
+            gpu_ids=[str(g) for g in ray.get_gpu_ids()],
+        )
+
+    def reusable(self) -> bool:
+        """Whether this process may run another call: no code file it imported has changed since.
+
+        A reused process keeps the modules it imported; a module edited on disk in between (a
+        notebook user changing their code) would otherwise run stale.
+        """
+        self.finish_call()
+        return all(mtime(path) == modified for path, modified in self._code_files.items())
+
+    def open_rendezvous(self, rendezvous: Rendezvous, nodes_by_rank: list[str], timeout_s: float) -> RendezvousPoint:
+        """Open the rendezvous the other workers connect to (rank 0 only); keep it open while training."""
+        self._store, point = rendezvous.open(nodes_by_rank, timeout_s)
+        return point
+
+    def execute(self, payload: list[ray.ObjectRef], context: WorkerContext) -> WorkerOutput | None:
+        """Run the Trainer function (``trainer._fit_impl`` etc.) with this worker's rank.
+
+        ``payload`` is ``[ref]`` rather than ``ref`` so that Ray does not unpickle it on arrival
+        (see :mod:`.call`).
+        """
+        self.finish_call()
+        call = WorkerCall(context, self._store)
+        output = call.run(payload[0])
+        # The code as it is now ran this call: a later change on disk makes the process stale.
+        self._code_files = imported_code_files()
+        # The clean-up for the next call waits until the results are on their way (finish_call).
+        self._unfinished = call
+        return output
+
+    def finish_call(self) -> None:
+        """After a call succeeded and returned: clean up for the next call.
+
+        The launcher sends this right after the results arrived, so the driver does not wait for it;
+        :meth:`execute` and :meth:`reusable` also run it if it is still due.
+        """
+        call, self._unfinished = self._unfinished, None
+        if call is not None:
+            self._store = None
+            call.finish()

@@ -1,0 +1,141 @@
+"""One ``fit``/``validate``/``test``/``predict`` inside a worker: set up, run the Trainer function, collect, clean up.
+
+:class:`WorkerCall` is what :meth:`ray_lightning.launch.actor.RayWorker.execute` does: it sets the
+environment the launcher decided (ranks, ``MASTER_ADDR``, ``CUDA_VISIBLE_DEVICES``, the driver's
+forwarded variables and torch flags), unpickles the payload only then (nothing may initialise
+CUDA before ``CUDA_VISIBLE_DEVICES`` is set, and the module may come from a directory only the
+driver had on ``sys.path``), makes the worker's context current (:mod:`ray_lightning.runtime`),
+hands the strategy its rank and rendezvous, runs the function and collects what goes home.
+:meth:`WorkerCall.finish` undoes it all after the results were sent, for the next call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from typing import Any
+
+import ray
+
+from ray_lightning import runtime
+from ray_lightning.channel.progress import readable_output
+from ray_lightning.home import files
+from ray_lightning.home.predictions import PredictionRecorder
+from ray_lightning.home.results import WorkerOutput, collect_worker_output
+from ray_lightning.launch.payload import with_checkpoint_path
+from ray_lightning.runtime import WorkerContext
+
+
+class WorkerCall:
+    """One call in this worker process, with the rank and rendezvous ``context`` and ``store`` give it."""
+
+    def __init__(self, context: WorkerContext, store: Any) -> None:
+        self.context = context
+        self._store = store
+        self._strategy: Any = None
+        self._saved_environment: dict[str, str] = {}
+
+    def run(self, payload: ray.ObjectRef) -> WorkerOutput | None:
+        """Run the Trainer function the payload holds; returns what this rank sends home."""
+        from pytorch_lightning.trainer.states import TrainerFn
+
+        context = self.context
+        self._saved_environment = dict(os.environ)  # this call's variables, and those it sets itself, go afterwards
+        _set_environment(context)
+        for path in context.driver_sys_path:
+            if path not in sys.path and os.path.isdir(path):
+                sys.path.append(path)
+        trainer, function, args, kwargs = ray.get(payload)
+        with contextlib.ExitStack() as scratch:
+            if context.checkpoint_file is not None:
+                path = _local_checkpoint(context.checkpoint_file, scratch)
+                args, kwargs = with_checkpoint_path(function, args, kwargs, path)
+            # Kept if the call fails: the launcher fetches what is in it (home.files.fetch_after_failure).
+            staging = files.staging_dir(context.staging_name) if context.staging_name else None
+            if staging is not None:
+                files.stage(trainer, staging)
+            scratch.enter_context(runtime.activated(context))
+            self._strategy = strategy = trainer.strategy
+            strategy.attach_worker(context, self._store)
+            if strategy.init_hook is not None:
+                strategy.init_hook()
+            recorder = None
+            if trainer.state.fn == TrainerFn.PREDICTING:
+                recorder = PredictionRecorder()
+                trainer.callbacks.append(recorder)
+            rank_zero = context.rank.global_rank == 0
+            with readable_output(rank_zero, progress_to_driver=context.driver_queue is not None):
+                results = function(*args, **kwargs)
+            output = collect_worker_output(trainer, results, recorder, staging)
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+        return output
+
+    def finish(self) -> None:
+        """After the call succeeded and its results were sent: leave its process group and environment."""
+        import torch
+
+        if self._strategy is not None:
+            self._strategy.detach_worker()
+        self._strategy = self._store = None
+        os.environ.clear()
+        os.environ.update(self._saved_environment)
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # a waiting worker should not hold cached GPU memory
+
+
+def _local_checkpoint(checkpoint: runtime.CheckpointFile, scratch: contextlib.ExitStack) -> str:
+    """The path this worker reads the ``ckpt_path`` file from: the driver's, or a local copy of its bytes."""
+    if checkpoint.data is None:
+        return checkpoint.driver_path
+    directory = scratch.enter_context(tempfile.TemporaryDirectory(prefix="ray_lightning-ckpt-"))
+    path = os.path.join(directory, os.path.basename(checkpoint.driver_path))
+    with open(path, "wb") as f:
+        f.write(ray.get(checkpoint.data))
+    return path
+
+
+def _set_environment(context: WorkerContext) -> None:
+    update = {
+        **context.env_vars,
+        "LOCAL_RANK": str(context.rank.local_rank),
+        "RANK": str(context.rank.global_rank),
+        "NODE_RANK": str(context.rank.node_rank),
+        "WORLD_SIZE": str(context.world_size),
+        "LOCAL_WORLD_SIZE": str(context.rank.local_world_size),
+        "MASTER_ADDR": context.main_address,
+        "MASTER_PORT": str(context.main_port),
+        # The device follows the GPUs Ray reserved: none means none visible.
+        "CUDA_VISIBLE_DEVICES": context.cuda_visible_devices,
+    }
+    os.environ.update(update)
+    # Ray numbers GPUs in PCI bus order; make CUDA's ordinals agree.
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    context.torch_flags.apply()
+
+
+# Code that is part of Python or of installed packages does not change between calls.
+_INSTALLED = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def imported_code_files() -> dict[str, float]:
+    """Modification time of every imported module file that is not Python's or an installed package's."""
+    found = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str) and not path.startswith(_INSTALLED):
+            found[path] = mtime(path)
+    return found
+
+
+def mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return -1.0

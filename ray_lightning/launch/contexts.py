@@ -1,0 +1,79 @@
+"""Each worker's :class:`~ray_lightning.runtime.WorkerContext`, from where its actor landed.
+
+Ranks and devices come from :mod:`ray_lightning.environment` (pure functions of the node ids and
+GPU ids the actors reported); the rendezvous point from rank 0; the staging directory and the
+``ckpt_path`` file from where the driver is. Also the log line that says where the workers run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from ray_lightning.config import FORWARDED_ENV_PREFIXES
+from ray_lightning.environment import WorkerRank, assign_cuda_devices, shares_a_gpu
+from ray_lightning.home.files import StagingArea
+from ray_lightning.launch.actor import NodeInfo
+from ray_lightning.launch.rendezvous import RendezvousPoint
+from ray_lightning.launch.session import driver_sys_path
+from ray_lightning.runtime import CheckpointFile, TorchFlags, WorkerContext
+
+
+def nodes_by_rank(ranks: Sequence[WorkerRank], infos: Sequence[NodeInfo]) -> list[str]:
+    """The node id of each global rank, in rank order."""
+    return [info.node_id for _, info in sorted(zip((r.global_rank for r in ranks), infos))]
+
+
+def build_contexts(
+    ranks: Sequence[WorkerRank],
+    infos: Sequence[NodeInfo],
+    point: RendezvousPoint,
+    driver_node: str | None,
+    staging: StagingArea | None,
+    checkpoint: tuple[CheckpointFile | None, CheckpointFile | None] = (None, None),
+    driver_queue: object = None,
+) -> list[WorkerContext]:
+    """One context per actor (actor order). ``checkpoint``: the ``ckpt_path`` file for workers on the
+    driver's machine and for the others (:func:`ray_lightning.launch.payload.checkpoint_files`)."""
+    node_ids = [i.node_id for i in infos]
+    gpu_ids = [i.gpu_ids for i in infos]
+    devices = assign_cuda_devices(node_ids, gpu_ids)
+    shared = shares_a_gpu(node_ids, gpu_ids)
+    rank_zero = next(info for rank, info in zip(ranks, infos) if rank.global_rank == 0)
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+    sys_path = driver_sys_path()
+    # Trainer(deterministic=..., benchmark=...) set these in this process only.
+    torch_flags = TorchFlags.capture()
+    local_checkpoint, remote_checkpoint = checkpoint
+    return [
+        WorkerContext(
+            rank=rank,
+            world_size=len(infos),
+            num_nodes=len(set(node_ids)),
+            main_address=rank_zero.node_ip,
+            main_port=point.port,
+            cuda_visible_devices=visible,
+            device_index=index,
+            shares_gpu=shared,
+            staging_name=staging.name if staging is not None and rank.global_rank == 0 else None,
+            env_vars={**env, **(point.rank_env[rank.global_rank] if point.rank_env else {})},
+            driver_sys_path=sys_path if info.node_id == driver_node else (),
+            torch_flags=torch_flags,
+            driver_queue=driver_queue,
+            checkpoint_file=local_checkpoint if info.node_id == driver_node else remote_checkpoint,
+        )
+        for rank, info, (visible, index) in zip(ranks, infos, devices)
+    ]
+
+
+def describe_placement(workers: str, ranks: Sequence[WorkerRank], infos: Sequence[NodeInfo], reused: bool) -> str:
+    """The log line saying where the workers run.
+
+    ``ray_lightning: 2 worker(s) x {1 CPU} on 2 node(s): rank 0 on 10.0.0.5 (node 3f2a9c1e, pid 4711, GPUs none), ...``
+    """
+    placed = ", ".join(
+        f"rank {r.global_rank} on {i.node_ip} (node {i.node_id[:8]}, pid {i.pid}, GPUs {','.join(i.gpu_ids) or 'none'})"
+        for r, i in sorted(zip(ranks, infos), key=lambda p: p[0].global_rank)
+    )
+    again = " (reusing the workers of the last call)" if reused else ""
+    return f"ray_lightning: {workers} on {len({i.node_id for i in infos})} node(s){again}: {placed}"

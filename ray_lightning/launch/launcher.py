@@ -1,0 +1,180 @@
+"""``RayLauncher``: what Lightning calls instead of re-running ``sys.argv`` (``ddp``) or forking (``ddp_spawn``).
+
+For every ``fit``/``validate``/``test``/``predict`` it
+
+1. connects to Ray (a local one is started if none is running) (:mod:`.session`),
+2. puts the Trainer, the module and the arguments into the object store once (:mod:`.payload`),
+3. takes the workers the last call of this process left waiting, if they match (:mod:`.idle_pool`);
+   otherwise checks that the cluster can hold the request and reserves it (:mod:`.placement`,
+   waiting at most ``placement_timeout_s``), and starts one actor per worker (:mod:`.worker_group`),
+4. learns where each worker landed, has rank 0 open the rendezvous the strategy asks for, and gives
+   each worker its rank, device and environment (:mod:`.contexts`),
+5. waits for all of them without polling, meanwhile running what rank 0 sends to the driver (the
+   progress bar, Tune reports); the first failure stops the group and is raised with its rank and
+   traceback (:mod:`.poll`),
+6. copies rank 0's results and files onto the driver's Trainer (:mod:`ray_lightning.home`),
+7. leaves the workers waiting for the next call (``keep_workers_alive_s``), or stops them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import ray
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from ray.util.placement_group import get_current_placement_group
+from typing_extensions import override
+
+from ray_lightning import _lightning
+from ray_lightning.channel.driver_channel import DriverChannel, needs_channel
+from ray_lightning.home import files
+from ray_lightning.home.predictions import merge_predictions
+from ray_lightning.home.results import WorkerOutput, apply_to_driver
+from ray_lightning.launch import idle_pool
+from ray_lightning.launch.contexts import build_contexts, describe_placement, nodes_by_rank
+from ray_lightning.launch.payload import checkpoint_argument, checkpoint_files, put_payload
+from ray_lightning.launch.placement import OwnPlacement, TrialPlacement, alive_node_resources, check_cluster_can_hold
+from ray_lightning.launch.protocol import LaunchedStrategy
+from ray_lightning.launch.session import driver_node_id, ensure_ray_initialized
+from ray_lightning.launch.worker_group import WorkerGroup
+from ray_lightning.runtime import WorkerContext
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+log = logging.getLogger(__name__)
+
+
+class RayLauncher(_lightning.Launcher):
+    """Runs a Trainer function on Ray actors; see the module docstring for the steps."""
+
+    def __init__(self, strategy: LaunchedStrategy) -> None:
+        self._strategy = strategy
+        self._group: WorkerGroup | None = None
+        # Where rank 0 stages its files while a call whose rank 0 is off the driver's machine runs.
+        self._staging: files.StagingArea | None = None
+        # Files the last launch copied from rank 0's node onto the driver's machine.
+        self.transferred_files: list[str] = []
+
+    @property
+    @override
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is not None:
+            self._strategy.check_trainer(trainer)
+        ensure_ray_initialized()
+        if trainer is not None:
+            _fix_output_locations(trainer)
+        payload = put_payload(trainer, function, args, kwargs)
+        checkpoint = checkpoint_argument(function, args, kwargs, trainer)
+        group = self._acquire_group()
+        outputs = self._run(group, payload, trainer, checkpoint)
+        return self._bring_home(outputs, trainer)
+
+    @override
+    def kill(self, signum: Any) -> None:
+        if self._group is not None:
+            self._group.shutdown()
+
+    def _acquire_group(self) -> WorkerGroup:
+        """The workers for this call: a Tune trial's bundles, the last call's idle workers, or new ones."""
+        request = self._strategy.resources
+        enclosing = get_current_placement_group()
+        if enclosing is not None:
+            return WorkerGroup.start(TrialPlacement.within(enclosing, request), request)
+        group = idle_pool.take(request)
+        if group is None:
+            check_cluster_can_hold(request, alive_node_resources())
+            group = WorkerGroup.start(OwnPlacement.reserve(request, self._strategy.placement_timeout_s), request)
+        return group
+
+    def _run(
+        self, group: WorkerGroup, payload: ray.ObjectRef, trainer: pl.Trainer | None, checkpoint: str | None
+    ) -> list[WorkerOutput | None]:
+        strategy = self._strategy
+        self._group, self._staging = group, None
+        succeeded = False
+        try:
+            channel = group.channel() if trainer is not None and needs_channel(trainer) else None
+            outputs = group.run(payload, self._contexts(group, channel, checkpoint), channel)
+            if channel is not None:
+                channel.run_remaining()
+            succeeded = True
+        finally:
+            self._group = None
+            if succeeded and group.owns_placement and strategy.keep_workers_alive_s > 0:
+                idle_pool.keep(strategy.resources, group, strategy.keep_workers_alive_s)
+            else:
+                group.shutdown()
+            if not succeeded and self._staging is not None:
+                self._fetch_staged_files()
+        return outputs
+
+    def _contexts(
+        self, group: WorkerGroup, channel: DriverChannel | None, checkpoint: str | None
+    ) -> list[WorkerContext]:
+        """Each worker's rank, device and rendezvous, from where the actors landed."""
+        timeout_s = self._strategy.worker_start_timeout_s
+        infos = group.node_infos(timeout_s)
+        point = group.open_rendezvous(self._strategy.rendezvous, nodes_by_rank(group.ranks, infos), timeout_s)
+        driver_node = driver_node_id()
+        rank_zero_node = nodes_by_rank(group.ranks, infos)[0]
+        # Rank 0 off the driver's machine writes into a staging directory on its node.
+        self._staging = files.StagingArea.new(rank_zero_node) if rank_zero_node != driver_node else None
+        shipped = checkpoint_files(
+            checkpoint,
+            local=any(i.node_id == driver_node for i in infos),
+            remote=any(i.node_id != driver_node for i in infos),
+        )
+        rank_zero_info(describe_placement(self._strategy.resources.describe(), group.ranks, infos, group.calls > 0))
+        queue = channel.queue if channel is not None else None
+        return build_contexts(group.ranks, infos, point, driver_node, self._staging, shipped, queue)
+
+    def _bring_home(self, outputs: list[WorkerOutput | None], trainer: pl.Trainer | None) -> Any:
+        rank_zero = next(o for o in outputs if o is not None and o.trainer_state is not None)
+        if trainer is None:
+            return rank_zero.results
+        apply_to_driver(trainer, rank_zero)
+        self.transferred_files = sorted(rank_zero.files)
+        if self.transferred_files:
+            log.info("ray_lightning: copied %s from rank 0's node to this machine", ", ".join(self.transferred_files))
+        if trainer.state.fn == TrainerFn.PREDICTING:
+            if not rank_zero.return_predictions:
+                return None
+            per_rank = [o.predictions or [] for o in outputs if o is not None]
+            return merge_predictions(per_rank, rank_zero.num_predict_dataloaders)
+        return rank_zero.results
+
+    def _fetch_staged_files(self) -> None:
+        """After a failure: copy what rank 0 had written on its node (checkpoints, logs) to the driver."""
+        assert self._staging is not None
+        area, self._staging = self._staging, None
+        try:
+            written = files.fetch_after_failure(area, self._strategy.worker_start_timeout_s)
+        except Exception as error:  # noqa: BLE001 - the node may be gone; the failure itself is what matters
+            log.warning("ray_lightning: could not fetch the files rank 0 wrote before the failure: %s", error)
+            return
+        self.transferred_files = written
+        if written:
+            log.warning("ray_lightning: copied what rank 0 wrote before the failure: %s", ", ".join(written))
+
+    def __getstate__(self) -> dict:
+        # Shipped to the workers inside the Trainer: actor handles stay on the driver.
+        state = self.__dict__.copy()
+        state["_group"] = state["_staging"] = None
+        return state
+
+
+def _fix_output_locations(trainer: pl.Trainer) -> None:
+    """On the driver: settle where rank 0 writes, so the driver's Trainer points there afterwards."""
+    for logger in trainer.loggers:
+        # Fix the version (e.g. lightning_logs/version_3) here, so rank 0 writes where
+        # `trainer.logger.log_dir` points on the driver afterwards.
+        _ = logger.version
+    files.make_absolute(trainer)

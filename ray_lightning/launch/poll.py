@@ -1,0 +1,90 @@
+"""Waiting for a call's workers: without polling, running the driver calls rank 0 sends, blaming the right rank.
+
+:func:`wait_for_outputs` blocks in ``ray.wait`` until some worker finishes or fails, or the driver
+channel has a call (:mod:`ray_lightning.channel`); there is no timeout on training itself. The
+first failure is raised as a :class:`~ray_lightning.errors.RayWorkerError` naming the rank, its node
+and pid, with the worker's traceback; when a worker dies, its peers' collectives fail at about the
+same moment, so a death found within ``DEATH_GRACE_S`` of another worker's exception is blamed instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from ray_lightning.config import DEATH_GRACE_S
+from ray_lightning.errors import RayWorkerError
+from ray_lightning.home.results import WorkerOutput
+
+if TYPE_CHECKING:
+    from ray_lightning.channel.driver_channel import DriverChannel
+    from ray_lightning.launch.actor import NodeInfo
+
+
+def wait_for_outputs(
+    refs: Sequence[ray.ObjectRef], ranks: Sequence[int], infos: Sequence[NodeInfo], channel: DriverChannel | None
+) -> list[WorkerOutput | None]:
+    """Every worker's output in actor order, or the first failure raised with its rank.
+
+    ``ranks[i]`` and ``infos[i]`` are actor ``i``'s global rank and location. Calls the workers
+    send through ``channel`` run here as they arrive.
+    """
+    pending = {ref: i for i, ref in enumerate(refs)}
+    outputs: list[WorkerOutput | None] = [None] * len(refs)
+    while pending:
+        waiting = list(pending) if channel is None else [*pending, channel.next_call()]
+        done, _ = ray.wait(waiting, num_returns=1)
+        if channel is not None and channel.next_call() in done:
+            channel.run_next()
+            continue
+        for ref in done:
+            i = pending.pop(ref)
+            try:
+                outputs[i] = ray.get(ref)
+            except RayActorError as error:
+                raise worker_failure(ranks[i], _info(infos, i), error, died=True) from None
+            except RayTaskError as error:
+                _raise_death_behind(pending, ranks, infos)
+                raise worker_failure(ranks[i], _info(infos, i), error, died=False) from _cause(error)
+    return outputs
+
+
+def _raise_death_behind(pending: dict[Any, int], ranks: Sequence[int], infos: Sequence[NodeInfo]) -> None:
+    """Wait at most ``DEATH_GRACE_S`` for the other workers; raise the death of one that died."""
+    done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=DEATH_GRACE_S)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except RayActorError as error:
+            i = pending[ref]
+            raise worker_failure(ranks[i], _info(infos, i), error, died=True) from None
+        except Exception:  # noqa: BLE001 - only deaths matter here
+            pass
+
+
+def _info(infos: Sequence[NodeInfo], i: int) -> NodeInfo | None:
+    return infos[i] if i < len(infos) else None
+
+
+def worker_failure(rank: int, info: NodeInfo | None, error: Exception, died: bool) -> RayWorkerError:
+    """The error the driver raises for a worker that raised (``died=False``) or died."""
+    where = f"node {info.node_ip}, pid {info.pid}" if info else "unknown node"
+    if died:
+        message = (
+            f"ray_lightning worker rank {rank} ({where}) died unexpectedly (killed, out of memory, or "
+            f"its node failed): {error}. All workers have been stopped."
+        )
+    else:
+        trace = getattr(error, "traceback_str", None) or str(error)
+        message = (
+            f"ray_lightning worker rank {rank} ({where}) raised an exception. All workers have been stopped.\n{trace}"
+        )
+    return RayWorkerError(message, rank=rank)
+
+
+def _cause(error: RayTaskError) -> BaseException | None:
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else None

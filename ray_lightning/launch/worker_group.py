@@ -1,0 +1,140 @@
+"""The actors of a launch: started in a placement, run a call, shut down.
+
+A :class:`WorkerGroup` owns its actors, its driver channel and (when it is its own) its placement
+group. :meth:`WorkerGroup.shutdown` is the one clean-up path: for a group that failed half-way
+through starting, for one whose call failed, for one stopped by Ctrl-C, and for an idle one that
+expired. Startup failures have their own types: :class:`~ray_lightning.errors.WorkerStartupError`
+(an actor died before running the call) and :class:`~ray_lightning.errors.WorkerStartupTimeoutError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ray_lightning.channel.driver_channel import DriverChannel
+from ray_lightning.config import WorkerResources
+from ray_lightning.environment import WorkerRank, assign_ranks
+from ray_lightning.errors import WorkerStartupError, WorkerStartupTimeoutError
+from ray_lightning.home.results import WorkerOutput
+from ray_lightning.launch.actor import NodeInfo, RayWorker
+from ray_lightning.launch.placement import Placement
+from ray_lightning.launch.poll import wait_for_outputs
+from ray_lightning.launch.rendezvous import Rendezvous, RendezvousPoint
+from ray_lightning.launch.session import ray_session
+from ray_lightning.runtime import WorkerContext
+
+
+class WorkerGroup:
+    """One actor per worker in ``placement``; ``ranks[i]`` is actor ``i``'s rank."""
+
+    def __init__(self, placement: Placement, ranks: list[WorkerRank]) -> None:
+        self.placement = placement
+        self.ranks = ranks
+        self.actors: list[Any] = []
+        self.infos: list[NodeInfo] = []
+        self.calls = 0  # calls run so far: more than 0 when the group is reused
+        self._channel: DriverChannel | None = None
+        self._session = ray_session()
+
+    @classmethod
+    def start(cls, placement: Placement, request: WorkerResources) -> WorkerGroup:
+        """Start one actor per worker in the placement's bundles.
+
+        Ranks follow the nodes the bundles were placed on, so each actor knows its rank from the
+        start (Ray prefixes its log lines with it).
+        """
+        group = cls(placement, assign_ranks(placement.nodes))
+        remote = ray.remote(RayWorker)
+        try:
+            for bundle, rank in zip(placement.bundles, group.ranks):
+                strategy = PlacementGroupSchedulingStrategy(placement.pg, placement_group_bundle_index=bundle)
+                options = request.actor_options()
+                group.actors.append(remote.options(**options, scheduling_strategy=strategy).remote(rank.global_rank))
+        except BaseException:
+            group.shutdown()
+            raise
+        return group
+
+    @property
+    def owns_placement(self) -> bool:
+        return self.placement.owned
+
+    def in_current_session(self) -> bool:
+        """Whether the Ray this group was started in is still the one this process is connected to."""
+        return ray.is_initialized() and ray_session() == self._session
+
+    def channel(self) -> DriverChannel:
+        """The queue workers send driver calls through; made on first use, kept as long as the group."""
+        if self._channel is None:
+            self._channel = DriverChannel()
+        return self._channel
+
+    def node_infos(self, timeout_s: float) -> list[NodeInfo]:
+        """Where each actor landed (asked once: a reused group's actors are where they were)."""
+        if not self.infos:
+            self.infos = self._get([a.node_info.remote() for a in self.actors], timeout_s, "report where they run")
+        return self.infos
+
+    def open_rendezvous(self, rendezvous: Rendezvous, nodes_by_rank: list[str], timeout_s: float) -> RendezvousPoint:
+        """Have rank 0 open the rendezvous; returns where the workers meet."""
+        rank_zero = next(i for i, r in enumerate(self.ranks) if r.global_rank == 0)
+        ref = self.actors[rank_zero].open_rendezvous.remote(rendezvous, nodes_by_rank, timeout_s)
+        return self._get([ref], timeout_s, "open the rendezvous", actors=[rank_zero])[0]
+
+    def _get(self, refs: list[Any], timeout_s: float, what: str, actors: list[int] | None = None) -> list[Any]:
+        """``ray.get`` of startup calls (``refs[j]`` is on actor ``actors[j]``, default actor ``j``), bounded."""
+        actors = actors if actors is not None else list(range(len(refs)))
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except GetTimeoutError:
+            raise WorkerStartupTimeoutError(
+                f"ray_lightning: the worker actors did not {what} within {timeout_s:g} s "
+                "(worker_start_timeout_s); a worker process may be stuck starting or importing."
+            ) from None
+        except RayActorError as error:
+            rank = self._dead_rank(refs, actors)
+            raise WorkerStartupError(
+                f"A ray_lightning worker (rank {rank}) died while starting: {error}", rank=rank
+            ) from error
+
+    def _dead_rank(self, refs: list[Any], actors: list[int]) -> int:
+        """The global rank of the first actor whose startup call failed."""
+        for ref, i in zip(refs, actors):
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError:
+                return self.ranks[i].global_rank
+            except Exception:  # noqa: BLE001 - a timeout or other error: not this one
+                continue
+        return self.ranks[actors[0]].global_rank
+
+    def run(
+        self, payload: ray.ObjectRef, contexts: list[WorkerContext], channel: DriverChannel | None = None
+    ) -> list[WorkerOutput | None]:
+        """Run the call on every worker; their outputs in actor order, or the first failure raised."""
+        self.calls += 1
+        refs = [actor.execute.remote([payload], ctx) for actor, ctx in zip(self.actors, contexts)]
+        outputs = wait_for_outputs(refs, [c.rank.global_rank for c in contexts], self.infos, channel)
+        for actor in self.actors:
+            actor.finish_call.remote()  # clean up for the next call while the driver goes on
+        return outputs
+
+    def shutdown(self) -> None:
+        """Stop the actors and the channel, and give back an own placement group. Safe to call twice."""
+        if not self.in_current_session():
+            # Its Ray is gone, and the actors with it. Ray calls now would start a new local Ray.
+            self.actors, self._channel = [], None
+            return
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        self.placement.release()
+        self.actors = []
