@@ -22,9 +22,21 @@ from typing import Any
 PLACEMENT_TIMEOUT_ENV = "RAY_LIGHTNING_PLACEMENT_TIMEOUT_S"
 WORKER_START_TIMEOUT_ENV = "RAY_LIGHTNING_WORKER_START_TIMEOUT_S"
 KEEP_WORKERS_ALIVE_ENV = "RAY_LIGHTNING_KEEP_WORKERS_ALIVE_S"
+PROGRESS_TIMEOUT_ENV = "RAY_LIGHTNING_PROGRESS_TIMEOUT_S"
 DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
 DEFAULT_WORKER_START_TIMEOUT_S = 300.0
 DEFAULT_KEEP_WORKERS_ALIVE_S = 60.0
+
+
+class _Unset(float):
+    """A default argument that shows as its number (docs, LightningCLI) but yields to the environment variable."""
+
+
+# 15 minutes: longer than any one batch or evaluation step of a real workload, shorter than the
+# 30 minutes after which torch.distributed's own timeout fails with an error that blames rank 0.
+# Long prepare_data() downloads or setup() need more; None switches the watchdog off.
+DEFAULT_PROGRESS_TIMEOUT_S = _Unset(900.0)
+_OFF = ("none", "off", "")
 
 # Environment variables of the driver that Lightning reads in the workers (seed, deterministic flags).
 FORWARDED_ENV_PREFIXES = ("PL_", "CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED")
@@ -43,23 +55,45 @@ def _seconds(name: str, value: float | None, env: str, default: float, zero_ok: 
     return float(value)
 
 
+def _progress_seconds(value: float | None) -> float | None:
+    if isinstance(value, _Unset):
+        text = os.environ.get(PROGRESS_TIMEOUT_ENV)
+        if text is None:
+            return float(value)
+        try:
+            value = None if text.strip().lower() in _OFF else float(text)
+        except ValueError:
+            raise ValueError(
+                f"{PROGRESS_TIMEOUT_ENV}={text!r}: give a positive number of seconds, or 'none' to switch "
+                "the progress watchdog off."
+            ) from None
+    return None if value is None else _seconds("progress_timeout_s", value, PROGRESS_TIMEOUT_ENV, 0.0)
+
+
 @dataclass(frozen=True)
 class WorkerTimeouts:
     """The time bounds of a launch, in seconds.
 
     ``placement_s``: waiting for the cluster to free the resources; ``start_s``: started workers
-    reporting in and meeting; ``keep_alive_s``: workers waiting for the next call (0: never).
+    reporting in and meeting, ``init_hook`` included; ``keep_alive_s``: workers waiting for the
+    next call (0: never); ``progress_s``: a rank without progress in setup or any loop (None: no bound).
     """
 
     placement_s: float
     start_s: float
     keep_alive_s: float
+    progress_s: float | None = None
 
     @classmethod
     def resolve(
-        cls, placement_timeout_s: float | None, worker_start_timeout_s: float | None, keep_workers_alive_s: float | None
+        cls,
+        placement_timeout_s: float | None,
+        worker_start_timeout_s: float | None,
+        keep_workers_alive_s: float | None,
+        progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
     ) -> WorkerTimeouts:
-        """Arguments left as None come from the ``RAY_LIGHTNING_*`` variables, else the defaults."""
+        """Arguments left as None (``progress_timeout_s``: left out) come from the ``RAY_LIGHTNING_*``
+        variables, else the defaults; ``progress_timeout_s=None`` switches that bound off."""
         return cls(
             _seconds("placement_timeout_s", placement_timeout_s, PLACEMENT_TIMEOUT_ENV, DEFAULT_PLACEMENT_TIMEOUT_S),
             _seconds(
@@ -75,6 +109,7 @@ class WorkerTimeouts:
                 DEFAULT_KEEP_WORKERS_ALIVE_S,
                 zero_ok=True,
             ),
+            _progress_seconds(progress_timeout_s),
         )
 
 

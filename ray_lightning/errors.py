@@ -25,3 +25,19 @@ class WorkerStartupError(RayWorkerError):
 
 class WorkerStartupTimeoutError(TimeoutError):
     """Started workers did not report in, or rank 0 did not open the rendezvous, within ``worker_start_timeout_s``."""
+
+
+class WorkerHangError(RayWorkerError):
+    """Rank(s) made no progress for longer than their bound (``progress_timeout_s`` or ``worker_start_timeout_s``).
+
+    ``rank`` is the first stuck rank, ``ranks`` all of them, ``phase`` where they were; the message
+    shows every rank's phase and Python stack at that moment.
+    """
+
+    def __init__(self, message: str, rank: int, ranks: list[int] | None = None, phase: str = "") -> None:
+        super().__init__(message, rank)
+        self.ranks = list(ranks) if ranks is not None else [rank]
+        self.phase = phase
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.rank, self.ranks, self.phase))

@@ -6,6 +6,10 @@ behave differently inside a worker reads it with :func:`current_context` instead
 globals of its own: the accelerator (train only where training belongs), the driver channel (where
 rank 0 sends its calls), the strategy (ranks, devices). As Ray Train's ``get_context()`` does, this
 answers None on the driver.
+
+Each rank also says how far it got (:func:`mark_progress`: the phase it entered, a batch it
+started...), which the launcher's watchdog reads to find a rank that is stuck; on the driver and
+where no watchdog runs, marking is a no-op.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ray_lightning.environment import WorkerRank
 
@@ -76,9 +80,22 @@ class WorkerContext:
     # The queue of calls to run on the driver (ray_lightning.channel), if the Trainer needs one.
     driver_queue: Any = None
     checkpoint_file: CheckpointFile | None = None
+    # How often this rank sends its progress to the driver's watchdog; None: it sends none.
+    progress_interval_s: float | None = None
+    # Written to stdout and stderr when the call ends, so the driver knows all of its output
+    # arrived (ray_lightning.channel.worker_output); None: the driver does not wait for it.
+    output_marker: str | None = None
+
+
+class ProgressMarker(Protocol):
+    """Records this rank's progress (ray_lightning.channel.heartbeat.Heartbeat)."""
+
+    def mark(self, phase: str, detail: str = "", startup: bool = False) -> None:
+        """Entered ``phase`` (``detail``: where in it); ``startup`` phases are bounded by worker_start_timeout_s."""
 
 
 _current: WorkerContext | None = None
+_progress: ProgressMarker | None = None
 
 
 def current_context() -> WorkerContext | None:
@@ -91,12 +108,19 @@ def in_worker() -> bool:
     return _current is not None
 
 
+def mark_progress(phase: str, detail: str = "", startup: bool = False) -> None:
+    """Tell the driver's watchdog this rank entered ``phase``; a no-op where none listens."""
+    if _progress is not None:
+        _progress.mark(phase, detail, startup)
+
+
 @contextlib.contextmanager
-def activated(context: WorkerContext) -> Iterator[WorkerContext]:
-    """Make ``context`` this process's current one until the block ends."""
-    global _current
-    previous, _current = _current, context
+def activated(context: WorkerContext, progress: ProgressMarker | None = None) -> Iterator[WorkerContext]:
+    """Make ``context`` (and where its progress goes) this process's current one until the block ends."""
+    global _current, _progress
+    previous = _current, _progress
+    _current, _progress = context, progress
     try:
         yield context
     finally:
-        _current = previous
+        _current, _progress = previous

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import sys
 
 import pytest
 import pytorch_lightning as pl
@@ -77,9 +78,7 @@ def test_the_driver_redraws_one_bar_in_place_on_a_terminal(monkeypatch):
     show_progress("Epoch 0:  50%|#####     | 2/4", done=False)
     show_progress("Epoch 0: 100%|##########| 4/4", done=True)
     show_progress("Epoch 1:   0%|", done=False)
-    assert terminal.getvalue() == (
-        "\rEpoch 0:  50%|#####     | 2/4\rEpoch 0: 100%|##########| 4/4\n\rEpoch 1:   0%|"
-    )
+    assert terminal.getvalue() == ("\rEpoch 0:  50%|#####     | 2/4\rEpoch 0: 100%|##########| 4/4\n\rEpoch 1:   0%|")
 
 
 def test_the_driver_writes_lines_where_it_cannot_redraw(monkeypatch):
@@ -107,10 +106,40 @@ def test_rank_zeros_bar_states_go_to_the_driver(monkeypatch):
 
 @pytest.mark.usefixtures("ray_local")
 def test_a_fit_shows_rank_zeros_bar_on_the_drivers_console(capsys):
-    trainer = pl.Trainer(
-        max_epochs=1, strategy=RayStrategy(num_workers=2), logger=False, enable_checkpointing=False
-    )
+    trainer = pl.Trainer(max_epochs=1, strategy=RayStrategy(num_workers=2), logger=False, enable_checkpointing=False)
     trainer.fit(BoringModel())
     lines = capsys.readouterr().out.splitlines()
     # Ray prefixes what it forwards from a worker with "(rank N pid=...)"; these come from the driver.
     assert any(line.startswith("Epoch 0: 100%") and "4/4" in line for line in lines), lines
+
+
+class PrintsManyLines(BoringModel):
+    """Prints at the very end of training, on every rank, to stdout and stderr."""
+
+    def on_train_end(self):
+        for i in range(300):
+            print(f"worker line rank={self.global_rank} i={i}")
+        print(f"worker error line rank={self.global_rank}", file=sys.stderr)
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_every_line_a_worker_printed_arrives_before_fit_returns(capsys):
+    trainer = pl.Trainer(
+        max_epochs=1,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        strategy=RayStrategy(num_workers=2),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(PrintsManyLines())
+    print("DRIVER: fit returned")
+    print("DRIVER: fit returned", file=sys.stderr)
+    captured = capsys.readouterr()
+    out, err = captured.out, captured.err
+    for rank in (0, 1):
+        assert f"rank={rank} i=299" in out, out[-2000:]
+        assert out.index(f"rank={rank} i=299") < out.index("DRIVER: fit returned")
+        assert err.index(f"worker error line rank={rank}") < err.index("DRIVER: fit returned")
+    assert "end-of-call" not in out + err  # the markers themselves are never shown

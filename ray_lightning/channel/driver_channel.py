@@ -6,26 +6,23 @@ process, which is the driver of the workers. A callback on rank 0 therefore send
 driver as soon as it arrives (it waits on the channel and on the workers together, without
 polling), in the order sent, and runs whatever is left before ``fit`` returns.
 
-The channel is a :class:`ray.util.queue.Queue`, created only for Trainers with a callback that
-sets ``needs_driver_channel = True`` or a progress bar (it costs an extra actor).
+The channel is a :class:`ray.util.queue.Queue` (an extra actor, kept with the worker group). It
+also carries each rank's progress reports (:mod:`.heartbeat`) to the launcher's watchdog.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
-from pytorch_lightning.callbacks import TQDMProgressBar
 from ray import cloudpickle
 from ray.util.queue import Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_lightning import runtime
-
-if TYPE_CHECKING:
-    import pytorch_lightning as pl
+from ray_lightning.channel.heartbeat import ProgressReport
 
 _END = "ray_lightning: end of driver calls"
 
@@ -44,14 +41,6 @@ def send_to_driver(function: Callable[..., Any], *args: Any) -> None:
         queue.put(cloudpickle.dumps((function, args)))
 
 
-def needs_channel(trainer: pl.Trainer) -> bool:
-    """Whether rank 0 will send calls to the driver: a callback asks for it (Tune reports), or the
-    progress bar, which the driver draws."""
-    return any(getattr(cb, "needs_driver_channel", False) for cb in trainer.callbacks) or isinstance(
-        trainer.progress_bar_callback, TQDMProgressBar
-    )
-
-
 class DriverChannel:
     """The driver's end: a queue actor, and the one ``get`` in flight that the launcher waits on."""
 
@@ -61,6 +50,8 @@ class DriverChannel:
         outside = PlacementGroupSchedulingStrategy(placement_group=None)
         self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": outside})
         self._pending: ray.ObjectRef | None = None
+        # Where the ranks' progress reports go (the launcher's watchdog); dropped when None.
+        self.on_progress: Callable[[ProgressReport], None] | None = None
 
     def next_call(self) -> ray.ObjectRef:
         """A reference that becomes ready when a worker has sent the next call."""
@@ -70,7 +61,7 @@ class DriverChannel:
         return self._pending
 
     def run_next(self) -> None:
-        """Run the call that :meth:`next_call` became ready with."""
+        """Run the call (or record the progress report) that :meth:`next_call` became ready with."""
         self._run(self._take())
 
     def run_remaining(self) -> None:
@@ -83,8 +74,12 @@ class DriverChannel:
         ref, self._pending = self.next_call(), None
         return ray.get(ref)
 
-    @staticmethod
-    def _run(item: bytes) -> None:
+    def _run(self, item: Any) -> None:
+        report = ProgressReport.from_message(item)
+        if report is not None:
+            if self.on_progress is not None:
+                self.on_progress(report)
+            return
         function, args = cloudpickle.loads(item)
         function(*args)
 

@@ -35,8 +35,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ray_lightning import _lightning
-from ray_lightning.config import resolve_worker_resources, worker_layout
+from ray_lightning import _lightning, runtime
+from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, resolve_worker_resources, worker_layout
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.horovod.hvd import import_horovod_torch, init_horovod
 from ray_lightning.horovod.optim import horovod_op, retarget_scheduler, writable
@@ -67,6 +67,8 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
             300 s, or ``RAY_LIGHTNING_WORKER_START_TIMEOUT_S``); also Gloo's rendezvous timeout.
         keep_workers_alive_s: how long workers wait for the next call of this process (default
             60 s, ``RAY_LIGHTNING_KEEP_WORKERS_ALIVE_S``; 0: stop after every call), as for ``RayStrategy``.
+        progress_timeout_s: a rank without progress for this long stops the call with every rank's
+            stack (default 900 s, ``RAY_LIGHTNING_PROGRESS_TIMEOUT_S``; None: off), as for ``RayStrategy``.
 
     Example::
 
@@ -90,12 +92,15 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         placement_timeout_s: float | None = None,
         worker_start_timeout_s: float | None = None,
         keep_workers_alive_s: float | None = None,
+        progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
     ) -> None:
         workers, hosts = worker_layout(num_workers, num_hosts, num_slots)
         resources = resolve_worker_resources(workers, num_cpus_per_worker, use_gpu, resources_per_worker, hosts)
         # Fail here, on the driver, rather than in every worker.
         import_horovod_torch()
-        self._init_workers(resources, init_hook, placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s)
+        self._init_workers(
+            resources, init_hook, placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s, progress_timeout_s
+        )
         super().__init__(cluster_environment=RayEnvironment(workers))
         self._failed = False
 
@@ -132,6 +137,7 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
     def setup_environment(self) -> None:
         self._failed = False
         self.set_world_ranks()
+        runtime.mark_progress("rendezvous", "hvd.init", startup=True)
         hvd = init_horovod(ray.util.get_node_ip_address())
         if (hvd.rank(), hvd.size()) != (self.global_rank, self.world_size):
             raise RuntimeError(
@@ -140,6 +146,7 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
             )
         reset_seed()
         super().setup_environment()
+        runtime.mark_progress("setup", "prepare_data, setup hooks, configure_model")
 
     @override
     def model_to_device(self) -> None:

@@ -19,6 +19,7 @@ import ray
 from ray_lightning.home.results import WorkerOutput
 from ray_lightning.launch.call import WorkerCall, imported_code_files, mtime
 from ray_lightning.launch.rendezvous import Rendezvous, RendezvousPoint
+from ray_lightning.launch.stacks import enable_signal_dump
 from ray_lightning.runtime import WorkerContext
 
 
@@ -36,6 +37,8 @@ class RayWorker:
     """One training process. Created through ``ray.remote(RayWorker).options(...)`` by the worker group."""
 
     def __init__(self, global_rank: int) -> None:
+        # A stuck worker's stack can then be taken even where py-spy may not attach (launch.stacks).
+        enable_signal_dump()
         self._global_rank = global_rank
         self._store: Any = None  # the rendezvous rank 0 keeps open during a call
         # Modification times of the code files imported by the last call (see `reusable`).

@@ -18,17 +18,23 @@ import shutil
 import sys
 import sysconfig
 import tempfile
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from ray_lightning import runtime
+from ray_lightning.channel.heartbeat import Heartbeat, HeartbeatCallback
 from ray_lightning.channel.progress import readable_output
+from ray_lightning.channel.worker_output import end_of_output
 from ray_lightning.home import files
 from ray_lightning.home.predictions import PredictionRecorder
 from ray_lightning.home.results import WorkerOutput, collect_worker_output
 from ray_lightning.launch.payload import with_checkpoint_path
 from ray_lightning.runtime import WorkerContext
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 
 class WorkerCall:
@@ -42,15 +48,30 @@ class WorkerCall:
 
     def run(self, payload: ray.ObjectRef) -> WorkerOutput | None:
         """Run the Trainer function the payload holds; returns what this rank sends home."""
-        from pytorch_lightning.trainer.states import TrainerFn
-
         context = self.context
         self._saved_environment = dict(os.environ)  # this call's variables, and those it sets itself, go afterwards
         _set_environment(context)
         for path in context.driver_sys_path:
             if path not in sys.path and os.path.isdir(path):
                 sys.path.append(path)
-        trainer, function, args, kwargs = ray.get(payload)
+        heartbeat = None
+        if context.progress_interval_s is not None and context.driver_queue is not None:
+            heartbeat = Heartbeat(context.rank.global_rank, context.driver_queue, context.progress_interval_s)
+        try:
+            with runtime.activated(context, heartbeat):
+                if heartbeat is not None:
+                    heartbeat.start()
+                runtime.mark_progress("unpickling the Trainer and module", startup=True)
+                return self._run(*ray.get(payload))
+        finally:
+            if heartbeat is not None:
+                heartbeat.stop()
+            end_of_output(context.output_marker)
+
+    def _run(self, trainer: pl.Trainer, function: Callable, args: tuple, kwargs: dict) -> WorkerOutput | None:
+        from pytorch_lightning.trainer.states import TrainerFn
+
+        context = self.context
         with contextlib.ExitStack() as scratch:
             if context.checkpoint_file is not None:
                 path = _local_checkpoint(context.checkpoint_file, scratch)
@@ -59,18 +80,21 @@ class WorkerCall:
             staging = files.staging_dir(context.staging_name) if context.staging_name else None
             if staging is not None:
                 files.stage(trainer, staging)
-            scratch.enter_context(runtime.activated(context))
             self._strategy = strategy = trainer.strategy
             strategy.attach_worker(context, self._store)
             if strategy.init_hook is not None:
+                runtime.mark_progress("init_hook", startup=True)
                 strategy.init_hook()
             recorder = None
             if trainer.state.fn == TrainerFn.PREDICTING:
                 recorder = PredictionRecorder()
                 trainer.callbacks.append(recorder)
+            if context.progress_interval_s is not None:
+                trainer.callbacks.append(HeartbeatCallback())
             rank_zero = context.rank.global_rank == 0
             with readable_output(rank_zero, progress_to_driver=context.driver_queue is not None):
                 results = function(*args, **kwargs)
+            runtime.mark_progress("collecting the results")
             output = collect_worker_output(trainer, results, recorder, staging)
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from ray_lightning.config import FORWARDED_ENV_PREFIXES
 from ray_lightning.environment import WorkerRank, assign_cuda_devices, shares_a_gpu
@@ -17,6 +19,24 @@ from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.rendezvous import RendezvousPoint
 from ray_lightning.launch.session import driver_sys_path
 from ray_lightning.runtime import CheckpointFile, TorchFlags, WorkerContext
+
+
+@dataclass(frozen=True)
+class CallSettings:
+    """What the driver decided for this call, the same for every worker."""
+
+    driver_queue: Any = None  # the driver channel's queue
+    progress_interval_s: float | None = None  # how often ranks report progress; None: they do not
+    output_marker: str | None = None  # rank N writes f"{output_marker}-{N}" when its call ends
+
+    def marker_of(self, rank: int) -> str | None:
+        return f"{self.output_marker}-{rank}" if self.output_marker is not None else None
+
+
+def progress_interval(start_timeout_s: float, progress_timeout_s: float | None) -> float:
+    """How often a rank reports progress: often enough that a stall is seen soon after its bound passes."""
+    shortest = min(b for b in (start_timeout_s, progress_timeout_s) if b is not None)
+    return min(max(shortest / 10, 0.2), 5.0)
 
 
 def nodes_by_rank(ranks: Sequence[WorkerRank], infos: Sequence[NodeInfo]) -> list[str]:
@@ -31,7 +51,7 @@ def build_contexts(
     driver_node: str | None,
     staging: StagingArea | None,
     checkpoint: tuple[CheckpointFile | None, CheckpointFile | None] = (None, None),
-    driver_queue: object = None,
+    call: CallSettings = CallSettings(),
 ) -> list[WorkerContext]:
     """One context per actor (actor order). ``checkpoint``: the ``ckpt_path`` file for workers on the
     driver's machine and for the others (:func:`ray_lightning.launch.payload.checkpoint_files`)."""
@@ -59,8 +79,10 @@ def build_contexts(
             env_vars={**env, **(point.rank_env[rank.global_rank] if point.rank_env else {})},
             driver_sys_path=sys_path if info.node_id == driver_node else (),
             torch_flags=torch_flags,
-            driver_queue=driver_queue,
+            driver_queue=call.driver_queue,
             checkpoint_file=local_checkpoint if info.node_id == driver_node else remote_checkpoint,
+            progress_interval_s=call.progress_interval_s,
+            output_marker=call.marker_of(rank.global_rank),
         )
         for rank, info, (visible, index) in zip(ranks, infos, devices)
     ]

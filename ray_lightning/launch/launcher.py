@@ -29,16 +29,24 @@ from ray.util.placement_group import get_current_placement_group
 from typing_extensions import override
 
 from ray_lightning import _lightning
-from ray_lightning.channel.driver_channel import DriverChannel, needs_channel
+from ray_lightning.channel.worker_output import output_sync
+from ray_lightning.errors import RayWorkerError, WorkerHangError
 from ray_lightning.home import files
 from ray_lightning.home.predictions import merge_predictions
 from ray_lightning.home.results import WorkerOutput, apply_to_driver
 from ray_lightning.launch import idle_pool
-from ray_lightning.launch.contexts import build_contexts, describe_placement, nodes_by_rank
+from ray_lightning.launch.contexts import (
+    CallSettings,
+    build_contexts,
+    describe_placement,
+    nodes_by_rank,
+    progress_interval,
+)
 from ray_lightning.launch.payload import checkpoint_argument, checkpoint_files, put_payload
 from ray_lightning.launch.placement import OwnPlacement, TrialPlacement, alive_node_resources, check_cluster_can_hold
 from ray_lightning.launch.protocol import LaunchedStrategy
 from ray_lightning.launch.session import driver_node_id, ensure_ray_initialized
+from ray_lightning.launch.watchdog import Watchdog
 from ray_lightning.launch.worker_group import WorkerGroup
 from ray_lightning.runtime import WorkerContext
 
@@ -46,6 +54,11 @@ if TYPE_CHECKING:
     import pytorch_lightning as pl
 
 log = logging.getLogger(__name__)
+
+# How long the driver waits for the workers' output to arrive after a call (Ray forwards it every
+# 0.1 s; more only on a machine too busy to forward it), and after a worker raised.
+_OUTPUT_WAIT_S = 10.0
+_FAILED_OUTPUT_WAIT_S = 3.0
 
 
 class RayLauncher(_lightning.Launcher):
@@ -74,7 +87,7 @@ class RayLauncher(_lightning.Launcher):
         payload = put_payload(trainer, function, args, kwargs)
         checkpoint = checkpoint_argument(function, args, kwargs, trainer)
         group = self._acquire_group()
-        outputs = self._run(group, payload, trainer, checkpoint)
+        outputs = self._run(group, payload, checkpoint)
         return self._bring_home(outputs, trainer)
 
     @override
@@ -94,17 +107,32 @@ class RayLauncher(_lightning.Launcher):
             group = WorkerGroup.start(OwnPlacement.reserve(request, self._strategy.placement_timeout_s), request)
         return group
 
-    def _run(
-        self, group: WorkerGroup, payload: ray.ObjectRef, trainer: pl.Trainer | None, checkpoint: str | None
-    ) -> list[WorkerOutput | None]:
+    def _run(self, group: WorkerGroup, payload: ray.ObjectRef, checkpoint: str | None) -> list[WorkerOutput | None]:
         strategy = self._strategy
         self._group, self._staging = group, None
         succeeded = False
         try:
-            channel = group.channel() if trainer is not None and needs_channel(trainer) else None
-            outputs = group.run(payload, self._contexts(group, channel, checkpoint), channel)
-            if channel is not None:
-                channel.run_remaining()
+            channel = group.channel()
+            call = CallSettings(
+                channel.queue,
+                progress_interval(strategy.worker_start_timeout_s, strategy.progress_timeout_s),
+                output_sync.new_marker(),
+            )
+            contexts = self._contexts(group, call, checkpoint)
+            watchdog = Watchdog(
+                [r.global_rank for r in group.ranks],
+                group.infos,
+                strategy.progress_timeout_s,
+                strategy.worker_start_timeout_s,
+            )
+            try:
+                outputs = group.run(payload, contexts, channel, watchdog)
+            except RayWorkerError as error:
+                if not isinstance(error, WorkerHangError):  # a stuck rank writes no marker
+                    _wait_for_output(call, [error.rank], _FAILED_OUTPUT_WAIT_S)
+                raise
+            channel.run_remaining()
+            _wait_for_output(call, [r.global_rank for r in group.ranks], _OUTPUT_WAIT_S)
             succeeded = True
         finally:
             self._group = None
@@ -116,9 +144,7 @@ class RayLauncher(_lightning.Launcher):
                 self._fetch_staged_files()
         return outputs
 
-    def _contexts(
-        self, group: WorkerGroup, channel: DriverChannel | None, checkpoint: str | None
-    ) -> list[WorkerContext]:
+    def _contexts(self, group: WorkerGroup, call: CallSettings, checkpoint: str | None) -> list[WorkerContext]:
         """Each worker's rank, device and rendezvous, from where the actors landed."""
         timeout_s = self._strategy.worker_start_timeout_s
         infos = group.node_infos(timeout_s)
@@ -133,8 +159,7 @@ class RayLauncher(_lightning.Launcher):
             remote=any(i.node_id != driver_node for i in infos),
         )
         rank_zero_info(describe_placement(self._strategy.resources.describe(), group.ranks, infos, group.calls > 0))
-        queue = channel.queue if channel is not None else None
-        return build_contexts(group.ranks, infos, point, driver_node, self._staging, shipped, queue)
+        return build_contexts(group.ranks, infos, point, driver_node, self._staging, shipped, call)
 
     def _bring_home(self, outputs: list[WorkerOutput | None], trainer: pl.Trainer | None) -> Any:
         rank_zero = next(o for o in outputs if o is not None and o.trainer_state is not None)
@@ -169,6 +194,12 @@ class RayLauncher(_lightning.Launcher):
         state = self.__dict__.copy()
         state["_group"] = state["_staging"] = None
         return state
+
+
+def _wait_for_output(call: CallSettings, ranks: list[int], timeout_s: float) -> None:
+    """Until what ``ranks`` printed during the call has been printed here (bounded; see channel.worker_output)."""
+    if call.output_marker is not None and ranks:
+        output_sync.wait([call.marker_of(r) for r in ranks], timeout_s)
 
 
 def _fix_output_locations(trainer: pl.Trainer) -> None:

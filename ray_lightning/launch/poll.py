@@ -1,7 +1,8 @@
 """Waiting for a call's workers: without polling, running the driver calls rank 0 sends, blaming the right rank.
 
-:func:`wait_for_outputs` blocks in ``ray.wait`` until some worker finishes or fails, or the driver
-channel has a call (:mod:`ray_lightning.channel`); there is no timeout on training itself. The
+:func:`wait_for_outputs` blocks in ``ray.wait`` until some worker finishes or fails, the driver
+channel has a call or progress report (:mod:`ray_lightning.channel`), or the watchdog's next bound
+passes (:mod:`.watchdog`: a stuck rank is raised with every rank's stack). The
 first failure is raised as a :class:`~ray_lightning.errors.RayWorkerError` naming the rank, its node
 and pid, with the worker's traceback; when a worker dies, its peers' collectives fail at about the
 same moment, so a death found within ``DEATH_GRACE_S`` of another worker's exception is blamed instead.
@@ -18,6 +19,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray_lightning.config import DEATH_GRACE_S
 from ray_lightning.errors import RayWorkerError
 from ray_lightning.home.results import WorkerOutput
+from ray_lightning.launch.stacks import collect_stacks
+from ray_lightning.launch.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from ray_lightning.channel.driver_channel import DriverChannel
@@ -25,23 +28,33 @@ if TYPE_CHECKING:
 
 
 def wait_for_outputs(
-    refs: Sequence[ray.ObjectRef], ranks: Sequence[int], infos: Sequence[NodeInfo], channel: DriverChannel | None
+    refs: Sequence[ray.ObjectRef],
+    ranks: Sequence[int],
+    infos: Sequence[NodeInfo],
+    channel: DriverChannel | None,
+    watchdog: Watchdog | None = None,
 ) -> list[WorkerOutput | None]:
     """Every worker's output in actor order, or the first failure raised with its rank.
 
     ``ranks[i]`` and ``infos[i]`` are actor ``i``'s global rank and location. Calls the workers
-    send through ``channel`` run here as they arrive.
+    send through ``channel`` run here as they arrive, and their progress goes to ``watchdog``,
+    which raises when a rank stays in one place for longer than its bound.
     """
     pending = {ref: i for i, ref in enumerate(refs)}
     outputs: list[WorkerOutput | None] = [None] * len(refs)
     while pending:
         waiting = list(pending) if channel is None else [*pending, channel.next_call()]
-        done, _ = ray.wait(waiting, num_returns=1)
+        done, _ = ray.wait(waiting, num_returns=1, timeout=watchdog.seconds_left() if watchdog else None)
+        if not done:
+            _check(watchdog, infos)
+            continue
         if channel is not None and channel.next_call() in done:
             channel.run_next()
             continue
         for ref in done:
             i = pending.pop(ref)
+            if watchdog is not None:
+                watchdog.finished(ranks[i])
             try:
                 outputs[i] = ray.get(ref)
             except RayActorError as error:
@@ -50,6 +63,13 @@ def wait_for_outputs(
                 _raise_death_behind(pending, ranks, infos)
                 raise worker_failure(ranks[i], _info(infos, i), error, died=False) from _cause(error)
     return outputs
+
+
+def _check(watchdog: Watchdog | None, infos: Sequence[NodeInfo]) -> None:
+    """Raise the watchdog's error, with every worker's stack, if some rank is past its bound."""
+    overdue = watchdog.overdue() if watchdog is not None else []
+    if overdue:
+        raise watchdog.hang_error(overdue, collect_stacks([(i.node_id, i.pid) for i in infos]))
 
 
 def _raise_death_behind(pending: dict[Any, int], ranks: Sequence[int], infos: Sequence[NodeInfo]) -> None:

@@ -21,6 +21,7 @@ class LaunchedStrategy(Protocol):
     placement_timeout_s: float
     worker_start_timeout_s: float
     keep_workers_alive_s: float
+    progress_timeout_s: float | None
 
     @property
     def rendezvous(self) -> Rendezvous:
@@ -28,9 +29,6 @@ class LaunchedStrategy(Protocol):
 
     def check_trainer(self, trainer: pl.Trainer) -> None:
         """On the driver, before any worker starts: refuse a Trainer this strategy cannot run."""
-
-    def describe_workers(self) -> str:
-        """The workers in words, for log lines: ``2 worker(s) x {1 CPU}``."""
 
     def attach_worker(self, context: WorkerContext, rendezvous_store: Any) -> None:
         """In a worker, before the call: take this worker's rank, device and rendezvous."""

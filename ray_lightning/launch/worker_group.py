@@ -26,6 +26,7 @@ from ray_lightning.launch.placement import Placement
 from ray_lightning.launch.poll import wait_for_outputs
 from ray_lightning.launch.rendezvous import Rendezvous, RendezvousPoint
 from ray_lightning.launch.session import ray_session
+from ray_lightning.launch.watchdog import Watchdog
 from ray_lightning.runtime import WorkerContext
 
 
@@ -114,12 +115,21 @@ class WorkerGroup:
         return self.ranks[actors[0]].global_rank
 
     def run(
-        self, payload: ray.ObjectRef, contexts: list[WorkerContext], channel: DriverChannel | None = None
+        self,
+        payload: ray.ObjectRef,
+        contexts: list[WorkerContext],
+        channel: DriverChannel | None = None,
+        watchdog: Watchdog | None = None,
     ) -> list[WorkerOutput | None]:
-        """Run the call on every worker; their outputs in actor order, or the first failure raised."""
+        """Run the call on every worker; their outputs in actor order, or the first failure raised.
+
+        ``watchdog`` gets the ranks' progress reports from ``channel`` and stops a call whose rank is stuck.
+        """
         self.calls += 1
+        if channel is not None:
+            channel.on_progress = watchdog.record if watchdog is not None else None
         refs = [actor.execute.remote([payload], ctx) for actor, ctx in zip(self.actors, contexts)]
-        outputs = wait_for_outputs(refs, [c.rank.global_rank for c in contexts], self.infos, channel)
+        outputs = wait_for_outputs(refs, [c.rank.global_rank for c in contexts], self.infos, channel, watchdog)
         for actor in self.actors:
             actor.finish_call.remote()  # clean up for the next call while the driver goes on
         return outputs

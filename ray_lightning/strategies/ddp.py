@@ -16,8 +16,8 @@ from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from typing_extensions import override
 
-from ray_lightning import _lightning
-from ray_lightning.config import resolve_worker_resources
+from ray_lightning import _lightning, runtime
+from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, resolve_worker_resources
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.strategies.workers import RayWorkersMixin
 
@@ -39,13 +39,19 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
         placement_timeout_s: how long to wait for the cluster to free the requested resources before
             failing with an error that says what was asked and what the cluster has. Default 60 s,
             or ``RAY_LIGHTNING_PLACEMENT_TIMEOUT_S``.
-        worker_start_timeout_s: how long started actors may take to report in (import torch, ...).
-            Default 300 s, or ``RAY_LIGHTNING_WORKER_START_TIMEOUT_S``.
+        worker_start_timeout_s: how long started actors may take to report in (import torch, ...),
+            run ``init_hook`` and meet in the process group. Default 300 s, or
+            ``RAY_LIGHTNING_WORKER_START_TIMEOUT_S``.
         keep_workers_alive_s: after a call succeeded, the workers wait this long for the next
             ``fit``/``test``/... of this process, which then starts at once (no new processes, no
             imports); they keep their resources meanwhile. 0 stops them after every call. Default
             60 s, or ``RAY_LIGHTNING_KEEP_WORKERS_ALIVE_S``; ``ray_lightning.release_idle_workers()``
             stops them now.
+        progress_timeout_s: a rank that makes no progress (no batch of any loop, no step of setup)
+            for this long stops the call with a ``WorkerHangError`` naming the stuck rank(s), their
+            phase and every rank's Python stack. Default 900 s, or ``RAY_LIGHTNING_PROGRESS_TIMEOUT_S``
+            (``none`` switches it off); None switches it off. The phases before training (start,
+            ``init_hook``, rendezvous) are bounded by ``worker_start_timeout_s`` instead.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` and from there to
             ``DistributedDataParallel`` (``find_unused_parameters=True``, ``static_graph=True``, ...).
 
@@ -68,6 +74,7 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
         placement_timeout_s: float | None = None,
         worker_start_timeout_s: float | None = None,
         keep_workers_alive_s: float | None = None,
+        progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
         **ddp_kwargs: Any,
     ) -> None:
         reserved = sorted(set(_RESERVED) & set(ddp_kwargs))
@@ -79,6 +86,7 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
             placement_timeout_s,
             worker_start_timeout_s,
             keep_workers_alive_s,
+            progress_timeout_s,
         )
         # The arguments set here by name are the ones RayStrategy decides; naming them also keeps
         # LightningCLI/jsonargparse, which follows **ddp_kwargs into DDPStrategy, from offering them.
@@ -103,6 +111,7 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
+        runtime.mark_progress("rendezvous", "joining the process group", startup=True)
         reset_seed()
         self.set_world_ranks()
         backend = self.worker_process_group_backend()
@@ -121,6 +130,7 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
         _lightning.init_dist_connection(self.cluster_environment, backend, **kwargs)
+        runtime.mark_progress("setup", "prepare_data, setup hooks, configure_model")
 
 
 if "ray" not in StrategyRegistry:

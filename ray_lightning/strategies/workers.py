@@ -21,7 +21,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from ray_lightning._lightning import LightningStrategyHooks
-from ray_lightning.config import WorkerResources, WorkerTimeouts
+from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, WorkerResources, WorkerTimeouts
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.launch.launcher import RayLauncher
 from ray_lightning.launch.rendezvous import Rendezvous, TorchStoreRendezvous
@@ -46,16 +46,20 @@ class RayWorkersMixin(LightningStrategyHooks):
         placement_timeout_s: float | None,
         worker_start_timeout_s: float | None,
         keep_workers_alive_s: float | None,
+        progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
     ) -> None:
         """Validate and keep the worker description; call before the Lightning strategy's ``__init__``."""
         if init_hook is not None and not callable(init_hook):
             raise TypeError(f"init_hook must be a function taking no arguments, got {init_hook!r}.")
-        timeouts = WorkerTimeouts.resolve(placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s)
+        timeouts = WorkerTimeouts.resolve(
+            placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s, progress_timeout_s
+        )
         self.resources = resources
         self.init_hook = init_hook
         self.placement_timeout_s = timeouts.placement_s
         self.worker_start_timeout_s = timeouts.start_s
         self.keep_workers_alive_s = timeouts.keep_alive_s
+        self.progress_timeout_s = timeouts.progress_s
         self._worker: WorkerContext | None = None
         self._rendezvous_store: Any = None
 
