@@ -51,6 +51,13 @@ def _ray_strategy(spec: Spec) -> dict[str, Any]:
     return {"strategy": RayStrategy(num_workers=spec.workers)}
 
 
+def _ray_strategy_without_watchdog(spec: Spec) -> dict[str, Any]:
+    from ray_lightning import RayStrategy
+
+    # progress_timeout_s=None: no loop bound (the ranks still report their startup phases).
+    return {"strategy": RayStrategy(num_workers=spec.workers, progress_timeout_s=None)}
+
+
 def _horovod_ray_strategy(spec: Spec) -> dict[str, Any]:
     from ray_lightning import HorovodRayStrategy
 
@@ -124,6 +131,13 @@ CONTENDERS: dict[str, Contender] = {
     c.name: c
     for c in (
         Contender("ray", "ray_lightning RayStrategy", _lightning_fit(_ray_strategy), uses_ray=True),
+        Contender(
+            "ray_no_watchdog",
+            "ray_lightning RayStrategy, progress_timeout_s=None",
+            _lightning_fit(_ray_strategy_without_watchdog),
+            uses_ray=True,
+            note="the progress watchdog's loop bound off: what the watchdog costs a step",
+        ),
         Contender("horovod_ray", "ray_lightning HorovodRayStrategy", _lightning_fit(_horovod_ray_strategy), True),
         Contender("ddp_spawn", "Lightning ddp_spawn (gloo)", _lightning_fit(_lightning_strategy("ddp_spawn")), False),
         Contender(

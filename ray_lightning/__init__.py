@@ -19,7 +19,7 @@ The package's layers, lowest first (each imports only those below it; ``tests/te
 
 from ray_lightning import _lightning
 from ray_lightning.environment import RayEnvironment
-from ray_lightning.errors import ClusterResourceError, RayWorkerError
+from ray_lightning.errors import ClusterResourceError, RayWorkerError, WorkerHangError
 from ray_lightning.horovod.strategy import HorovodRayStrategy
 from ray_lightning.launch.idle_pool import release_idle_workers
 from ray_lightning.strategies.accelerator import HorovodRayAccelerator, RayAccelerator
@@ -37,6 +37,7 @@ __all__ = [
     "RayEnvironment",
     "RayStrategy",
     "RayWorkerError",
+    "WorkerHangError",
     "__version__",
     "release_idle_workers",
 ]

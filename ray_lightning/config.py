@@ -40,6 +40,10 @@ _OFF = ("none", "off", "")
 
 # Environment variables of the driver that Lightning reads in the workers (seed, deterministic flags).
 FORWARDED_ENV_PREFIXES = ("PL_", "CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED")
+# The rendezvous (TCPStore, Horovod's Gloo) waits this many times worker_start_timeout_s for every
+# rank to arrive: longer than the watchdog's startup bound, so a rank stuck before it (in init_hook)
+# is named by the watchdog instead of surfacing as its peers' rendezvous timeout.
+RENDEZVOUS_TIMEOUT_FACTOR = 2.0
 # How long to look for a dead worker behind another worker's exception (its peers fail at once too).
 DEATH_GRACE_S = 2.0
 # How long a kept worker may take to say whether it can run another call before a fresh one replaces it.

@@ -17,7 +17,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_lightning.channel.driver_channel import DriverChannel
-from ray_lightning.config import WorkerResources
+from ray_lightning.config import RENDEZVOUS_TIMEOUT_FACTOR, WorkerResources
 from ray_lightning.environment import WorkerRank, assign_ranks
 from ray_lightning.errors import WorkerStartupError, WorkerStartupTimeoutError
 from ray_lightning.home.results import WorkerOutput
@@ -82,9 +82,13 @@ class WorkerGroup:
         return self.infos
 
     def open_rendezvous(self, rendezvous: Rendezvous, nodes_by_rank: list[str], timeout_s: float) -> RendezvousPoint:
-        """Have rank 0 open the rendezvous; returns where the workers meet."""
+        """Have rank 0 open the rendezvous within ``timeout_s``; returns where the workers meet.
+
+        The rendezvous itself waits ``RENDEZVOUS_TIMEOUT_FACTOR`` times longer for the ranks to arrive.
+        """
         rank_zero = next(i for i, r in enumerate(self.ranks) if r.global_rank == 0)
-        ref = self.actors[rank_zero].open_rendezvous.remote(rendezvous, nodes_by_rank, timeout_s)
+        wait_s = timeout_s * RENDEZVOUS_TIMEOUT_FACTOR
+        ref = self.actors[rank_zero].open_rendezvous.remote(rendezvous, nodes_by_rank, wait_s)
         return self._get([ref], timeout_s, "open the rendezvous", actors=[rank_zero])[0]
 
     def _get(self, refs: list[Any], timeout_s: float, what: str, actors: list[int] | None = None) -> list[Any]:
