@@ -26,8 +26,12 @@ DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
 DEFAULT_WORKER_START_TIMEOUT_S = 300.0
 DEFAULT_KEEP_WORKERS_ALIVE_S = 60.0
 
-# Environment variables of the driver that Lightning reads in the workers (seed, deterministic flags).
-FORWARDED_ENV_PREFIXES = ("PL_", "CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED")
+# Environment variables of the driver that Lightning reads in the workers (seed, deterministic flags),
+# and those of the loggers rank 0 runs (WANDB_MODE, WANDB_API_KEY, MLFLOW_ALLOW_FILE_STORE, COMET_...),
+# as Lightning's DDP processes inherit them.
+FORWARDED_ENV_PREFIXES = ("PL_", "CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED", "WANDB_", "MLFLOW_", "COMET_")
+# ... except those that belong to the driver's process: the socket of its W&B service.
+NOT_FORWARDED_ENV = ("WANDB_SERVICE",)
 # How long to look for a dead worker behind another worker's exception (its peers fail at once too).
 DEATH_GRACE_S = 2.0
 # How long a kept worker may take to say whether it can run another call before a fresh one replaces it.

@@ -9,6 +9,7 @@ Each is used because no public API does the job:
 * ``_is_local_file_protocol``: which directories are local files (remote URLs are left alone).
 * ``Trainer._default_root_dir``, the loggers' ``_root_dir``/``_save_dir``: the directories rank 0
   writes into, which have no public setters (rank 0 off the driver's machine stages them).
+* The private attributes of the W&B, MLflow and Comet loggers (:mod:`.loggers`).
 * The fit loop's progress counters and ``_batches_that_stepped`` (the step loggers are given):
   restored on the driver so ``current_epoch``/``global_step`` are rank 0's after ``fit``, and a
   second ``fit`` logs its metrics at the steps after the first's, as in Lightning.
@@ -29,6 +30,8 @@ from lightning_fabric.utilities.distributed import _init_dist_connection
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.core.optimizer import _MockOptimizer
 from pytorch_lightning.strategies.launchers.launcher import _Launcher
+
+from ray_lightning._lightning.loggers import LOGGER_OWNERS
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -103,6 +106,7 @@ class PrivateName:
     where: str
     name: str  # may be dotted: a path of attributes
     owner: Callable[[], Any]
+    needs: str | None = None  # the optional package the owner needs (a logger's), if any
 
     def missing(self) -> str | None:
         """None if the name is still there; else what is missing."""
@@ -185,4 +189,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("pytorch_lightning.strategies.DDPStrategy", "_process_group_backend", _ddp_strategy),
     PrivateName("pytorch_lightning.strategies.DDPStrategy", "_get_process_group_backend", _ddp_strategy),
     *(PrivateName("pytorch_lightning.Trainer.fit_loop", path, _fit_loop) for _, path in FIT_PROGRESS + FIT_COUNTERS),
+    *(
+        PrivateName(where, name, owner, needs)
+        for where, needs, attributes, owner in LOGGER_OWNERS
+        for name in attributes
+    ),
 )
