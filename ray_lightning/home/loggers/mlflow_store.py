@@ -15,8 +15,9 @@ store does:
 
 from __future__ import annotations
 
+import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
@@ -58,6 +59,23 @@ def make_absolute(logger: Any) -> None:
         lightning.set_mlflow_tracking_uri(logger, _with_path(uri, absolute))
 
 
+@dataclass
+class RunFiles:
+    """The run's folders and files on the driver, which a rank 0 elsewhere recreates under its staging directory."""
+
+    directories: list[str] = field(default_factory=list)
+    files: dict[str, bytes] = field(default_factory=dict)
+
+    def write_under(self, staging: str) -> None:
+        for directory in self.directories:
+            os.makedirs(files.to_staged(directory, staging), exist_ok=True)
+        for path, data in self.files.items():
+            staged = files.to_staged(path, staging)
+            os.makedirs(os.path.dirname(staged), exist_ok=True)
+            with open(staged, "wb") as f:
+                f.write(data)
+
+
 def ship(logger: Any) -> None:
     """On the driver, after the run exists: its files go along, for a rank 0 on another machine."""
     store = local_store(lightning.mlflow_tracking_uri(logger))
@@ -67,21 +85,23 @@ def ship(logger: Any) -> None:
     lightning.ship(logger, {_CARRIED: ray.put(run_files)})
 
 
-def _run_files(store: str, experiment_id: str, run_id: str) -> dict[str, bytes]:
-    found = {}
+def _run_files(store: str, experiment_id: str, run_id: str) -> RunFiles:
+    carried = RunFiles()
     for experiment in (_DEFAULT_EXPERIMENT, experiment_id):
         meta = os.path.join(store, experiment, "meta.yaml")
         if os.path.isfile(meta):
-            found[meta] = _read(meta)
+            carried.files[meta] = _read(meta)
     run = os.path.join(store, experiment_id, run_id)
     for directory, subdirectories, names in os.walk(run):
+        carried.directories.append(directory)  # MLflow finds a run by its (maybe empty) folders
         if directory == run and "artifacts" in subdirectories:
             subdirectories.remove("artifacts")  # they stay here; rank 0 only adds to them
+            carried.directories.append(os.path.join(run, "artifacts"))
         for name in names:
             path = os.path.join(directory, name)
             if not os.path.islink(path):
-                found[path] = _read(path)
-    return found
+                carried.files[path] = _read(path)
+    return carried
 
 
 def _read(path: str) -> bytes:
@@ -95,6 +115,7 @@ class StagedRun:
 
     meta: str
     driver_line: str
+    run_id: str
 
 
 def enter(logger: Any, staging: str | None, rank_zero: bool) -> StagedRun | None:
@@ -104,28 +125,40 @@ def enter(logger: Any, staging: str | None, rank_zero: bool) -> StagedRun | None
     store = local_store(uri)
     if staging is None or not rank_zero or carried is None or store is None:
         return None
-    for path, data in ray.get(carried).items():
-        staged = files.to_staged(path, staging)
-        os.makedirs(os.path.dirname(staged), exist_ok=True)
-        with open(staged, "wb") as f:
-            f.write(data)
+    ray.get(carried).write_under(staging)
     lightning.set_mlflow_tracking_uri(logger, _with_path(uri, files.to_staged(store, staging)))
     meta = files.to_staged(os.path.join(store, logger.experiment_id, logger.run_id, "meta.yaml"), staging)
+    return _stage_artifacts(meta, staging, logger.run_id)
+
+
+def _stage_artifacts(meta: str, staging: str, run_id: str) -> StagedRun | None:
+    """Point the staged run's ``artifact_uri`` (a local directory of the driver's) under ``staging``."""
     driver_line = _artifact_uri_line(meta) if os.path.isfile(meta) else None
-    if driver_line is not None:
-        artifact_uri = driver_line.split(":", 1)[1].strip()
-        artifacts = local_store(artifact_uri)
-        if artifacts is not None and os.path.isabs(artifacts):
-            staged_uri = _with_path(artifact_uri, files.to_staged(artifacts, staging))
-            _set_artifact_uri_line(meta, f"artifact_uri: {staged_uri}\n")
-            return StagedRun(meta, driver_line)
-    return None
+    if driver_line is None:
+        return None
+    artifact_uri = driver_line.split(":", 1)[1].strip()
+    artifacts = local_store(artifact_uri)
+    if artifacts is None or not os.path.isabs(artifacts):
+        return None  # a server or bucket: rank 0 uploads there
+    _set_artifact_uri_line(meta, f"artifact_uri: {_with_path(artifact_uri, files.to_staged(artifacts, staging))}\n")
+    _forget_artifact_repository(run_id)
+    return StagedRun(meta, driver_line, run_id)
 
 
 def leave(staged: StagedRun) -> None:
     """In rank 0, after the Trainer function: the staged run's ``artifact_uri`` is the driver's again."""
     if os.path.isfile(staged.meta):
         _set_artifact_uri_line(staged.meta, staged.driver_line)
+    _forget_artifact_repository(staged.run_id)
+
+
+def _forget_artifact_repository(run_id: str) -> None:
+    """MLflow keeps each run's artifact location per process: this call's staging directory is gone
+    after the call, and a reused worker must not write the next call's artifacts there."""
+    with contextlib.suppress(ImportError, AttributeError):
+        from mlflow.tracking._tracking_service import utils
+
+        utils._artifact_repos_cache.pop(run_id, None)
 
 
 def _artifact_uri_line(meta: str) -> str | None:
