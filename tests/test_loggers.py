@@ -20,7 +20,7 @@ import ray
 from pytorch_lightning.callbacks import ModelCheckpoint
 from ray.cluster_utils import Cluster
 
-from ray_lightning import HorovodRayStrategy, RayStrategy
+from ray_lightning import HorovodRayStrategy, RayAccelerator, RayStrategy
 from tests.models import BoringModel
 from tests.wandb_records import offline_runs
 
@@ -57,9 +57,10 @@ def _logger_environment(tmp_path, monkeypatch):
 
 
 def _trainer(strategy, logger, max_epochs: int = 2, **kwargs) -> pl.Trainer:
+    if strategy is not None:
+        kwargs["strategy"] = strategy
     return pl.Trainer(
         max_epochs=max_epochs,
-        strategy=strategy,
         logger=logger,
         log_every_n_steps=1,
         enable_progress_bar=False,
@@ -200,7 +201,8 @@ def _history(client, run_id: str, key: str) -> list[int]:
 def test_mlflow_run_in_a_local_store_continues_in_the_next_fit(ray_local, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3.17 refuses file stores otherwise
     logger = MLFlowLogger(experiment_name="rl")  # file:./mlruns, in the driver's working directory
-    trainer = _trainer(RayStrategy(num_workers=2), logger, enable_checkpointing=False)
+    # The classic form of the strategy: the same launch.
+    trainer = _trainer(None, logger, accelerator=RayAccelerator(num_workers=2), enable_checkpointing=False)
     trainer.fit(BoringModel())
     run_id = logger.run_id
     trainer.fit_loop.max_epochs = 3
