@@ -5,8 +5,8 @@ Each is used because no public API does the job (what is done with them:
 
 * ``WandbLogger._experiment``, ``CometLogger._experiment``: the run the logger holds, if any; the
   driver hands it over to rank 0 and rank 0 finishes its own (``logger.experiment`` would start one).
-* ``WandbLogger._wandb_init``, ``_id``, ``_offline``: the arguments of ``wandb.init``, the run id,
-  offline mode (``logger.version`` only reads the id).
+* ``WandbLogger._wandb_init``, ``_id``: the arguments of ``wandb.init`` and the run id
+  (``logger.version`` only reads the id).
 * ``WandbLogger.__getstate__`` starts a run in the process that pickles the logger: the driver
   ships the logger's state without it (:func:`ship`).
 * ``_logged_model_time`` (W&B, MLflow) and ``WandbLogger._checkpoint_name``: which checkpoints rank 0
@@ -25,7 +25,7 @@ from typing import Any
 
 # What rank 0's logger knows after a call that the driver's must know for the next one.
 STATE_FOR_DRIVER = ("_logged_model_time", "_checkpoint_name")
-WANDB_ATTRIBUTES = ("_experiment", "_wandb_init", "_id", "_offline", "_logged_model_time", "_checkpoint_name")
+WANDB_ATTRIBUTES = ("_experiment", "_wandb_init", "_id", "_logged_model_time", "_checkpoint_name")
 MLFLOW_ATTRIBUTES = ("_tracking_uri", "_mlflow_client", "_logged_model_time")
 COMET_ATTRIBUTES = ("_experiment", "_comet_config")
 
@@ -51,10 +51,6 @@ def wandb_run_id(logger: Any) -> str | None:
 def set_wandb_run_id(logger: Any, run_id: str) -> None:
     logger._id = run_id
     logger._wandb_init["id"] = run_id
-
-
-def wandb_offline(logger: Any) -> bool:
-    return bool(logger._offline)
 
 
 def state_for_driver(logger: Any) -> dict[str, Any]:
