@@ -266,7 +266,8 @@ def test_wandb_and_mlflow_runs_of_rank_zero_on_another_node_land_on_the_driver(
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     wandb_logger = WandbLogger(project="rl", save_dir="runs", log_model="all")
     wandb_logger.experiment.config.update({"driver_cfg": 7})
-    mlflow_logger = MLFlowLogger(experiment_name="rl", log_model=True)
+    # MLflow caches a store per URI: a relative one made in another test's directory would be reused.
+    mlflow_logger = MLFlowLogger(experiment_name="rl", save_dir=str(tmp_path / "mlruns"), log_model=True)
     checkpoint = ModelCheckpoint(dirpath="ckpts", save_top_k=-1)
     strategy = RayStrategy(num_workers=2, resources_per_worker={"CPU": 1, "worker_slot": 1})
     trainer = _trainer(strategy, [wandb_logger, mlflow_logger], callbacks=[checkpoint])
