@@ -32,6 +32,10 @@ setup(
             # LightningCLI (examples/cli_digits.py): pytorch_lightning.cli needs jsonargparse[signatures]>=4.27.7;
             # Lightning's own "extra" pins >=4.39, the range it is tested with.
             "jsonargparse[signatures]>=4.39",
+            # The loggers of tests/test_loggers.py: W&B offline, MLflow with a file store, Comet offline.
+            "wandb>=0.31",
+            "mlflow-skinny>=3.17",
+            "comet_ml>=3.58",
         ],
     },
     classifiers=[

@@ -38,8 +38,12 @@ class _Unset(float):
 DEFAULT_PROGRESS_TIMEOUT_S = _Unset(900.0)
 _OFF = ("none", "off", "")
 
-# Environment variables of the driver that Lightning reads in the workers (seed, deterministic flags).
-FORWARDED_ENV_PREFIXES = ("PL_", "CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED")
+# Environment variables of the driver that Lightning reads in the workers (seed, deterministic flags),
+# and those of the loggers rank 0 runs (WANDB_MODE, WANDB_API_KEY, MLFLOW_ALLOW_FILE_STORE, COMET_...),
+# as Lightning's DDP processes inherit them.
+FORWARDED_ENV_PREFIXES = ("PL_", "CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED", "WANDB_", "MLFLOW_", "COMET_")
+# ... except those that belong to the driver's process: the socket of its W&B service.
+NOT_FORWARDED_ENV = ("WANDB_SERVICE",)
 # The rendezvous (TCPStore, Horovod's Gloo) waits this many times worker_start_timeout_s for every
 # rank to arrive: longer than the watchdog's startup bound, so a rank stuck before it (in init_hook)
 # is named by the watchdog instead of surfacing as its peers' rendezvous timeout.

@@ -71,3 +71,26 @@ def test_remote_urls_are_left_alone(tmp_path):
     driver_files.make_absolute(trainer)
     driver_files.stage(trainer, str(tmp_path))
     assert trainer.default_root_dir == "s3://bucket/runs"
+
+
+def test_symbolic_links_are_neither_sent_nor_written_through(tmp_path):
+    # W&B links wandb/debug.log to the latest run's log and latest-run to the run's directory.
+    staging = tmp_path / "staging"
+    driver_dir = tmp_path / "runs" / "wandb"
+    staged_dir = staging / str(driver_dir).lstrip("/")
+    (staged_dir / "run-2" / "logs").mkdir(parents=True)
+    (staged_dir / "run-2" / "logs" / "debug.log").write_text("rank 0's log")
+    (staged_dir / "debug.log").symlink_to(staged_dir / "run-2" / "logs" / "debug.log")
+    (staged_dir / "latest-run").symlink_to(staged_dir / "run-2", target_is_directory=True)
+
+    files = driver_files.collect(str(staging))
+    assert files == {str(driver_dir / "run-2" / "logs" / "debug.log"): b"rank 0's log"}
+
+    # On the driver, debug.log links to an earlier run's log, which must survive the write.
+    earlier = driver_dir / "run-1" / "logs" / "debug.log"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("the driver's log")
+    (driver_dir / "debug.log").symlink_to(earlier)
+    driver_files.write({str(driver_dir / "debug.log"): b"new"})
+    assert earlier.read_text() == "the driver's log"
+    assert not (driver_dir / "debug.log").is_symlink() and (driver_dir / "debug.log").read_text() == "new"

@@ -12,6 +12,8 @@ one breaks one folder, and ``tests/test_lightning_internals.py`` names what move
 * :mod:`.names`: private functions and classes imported from Lightning (``_Launcher``,
   ``_init_dist_connection``, ``_MockOptimizer``, ``_is_local_file_protocol``) and the private
   directory attributes of the Trainer and loggers, and the fit loop's progress counters.
+* :mod:`.loggers`: the private attributes of the W&B, MLflow and Comet loggers (their runs, where
+  they store them, what they logged), and W&B's pickling without a run.
 
 :data:`PRIVATE_NAMES` lists all of them; a test checks each still exists.
 """

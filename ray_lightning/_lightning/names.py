@@ -9,8 +9,10 @@ Each is used because no public API does the job:
 * ``_is_local_file_protocol``: which directories are local files (remote URLs are left alone).
 * ``Trainer._default_root_dir``, the loggers' ``_root_dir``/``_save_dir``: the directories rank 0
   writes into, which have no public setters (rank 0 off the driver's machine stages them).
-* The fit loop's progress counters: restored on the driver so ``current_epoch``/``global_step``
-  are rank 0's after ``fit``.
+* The private attributes of the W&B, MLflow and Comet loggers (:mod:`.loggers`).
+* The fit loop's progress counters and ``_batches_that_stepped`` (the step loggers are given):
+  restored on the driver so ``current_epoch``/``global_step`` are rank 0's after ``fit``, and a
+  second ``fit`` logs its metrics at the steps after the first's, as in Lightning.
 
 :data:`PRIVATE_NAMES` lists every private name of this folder with where Lightning keeps it;
 ``tests/test_lightning_internals.py`` checks each and names any that moved.
@@ -28,6 +30,8 @@ from lightning_fabric.utilities.distributed import _init_dist_connection
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.core.optimizer import _MockOptimizer
 from pytorch_lightning.strategies.launchers.launcher import _Launcher
+
+from ray_lightning._lightning.loggers import LOGGER_OWNERS
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -47,6 +51,9 @@ FIT_PROGRESS = (
     ("automatic_optimization", "epoch_loop.automatic_optimization.optim_progress"),
     ("manual_optimization", "epoch_loop.manual_optimization.optim_step_progress"),
 )
+# Plain values of the fit loop: the step Lightning passes to `logger.log_metrics` (a counter of its own,
+# not global_step: it is saved in checkpoints and must continue in the next fit).
+FIT_COUNTERS = (("batches_that_stepped", "epoch_loop._batches_that_stepped"),)
 
 
 def is_mock_optimizer(optimizer: Any) -> bool:
@@ -71,14 +78,25 @@ def _progress(trainer: pl.Trainer, path: str) -> Any:
     return obj
 
 
+def _owner_and_name(trainer: pl.Trainer, path: str) -> tuple[Any, str]:
+    owner, _, name = path.rpartition(".")
+    return _progress(trainer, owner), name
+
+
 def fit_progress_state(trainer: pl.Trainer) -> dict[str, Any]:
     """The fit loop's progress counters, to be restored elsewhere with :func:`load_fit_progress`."""
-    return {key: _progress(trainer, path).state_dict() for key, path in FIT_PROGRESS}
+    state = {key: _progress(trainer, path).state_dict() for key, path in FIT_PROGRESS}
+    for key, path in FIT_COUNTERS:
+        state[key] = getattr(*_owner_and_name(trainer, path))
+    return state
 
 
 def load_fit_progress(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     for key, path in FIT_PROGRESS:
         _progress(trainer, path).load_state_dict(state[key])
+    for key, path in FIT_COUNTERS:
+        if key in state:
+            setattr(*_owner_and_name(trainer, path), state[key])
 
 
 @dataclass(frozen=True)
@@ -88,6 +106,7 @@ class PrivateName:
     where: str
     name: str  # may be dotted: a path of attributes
     owner: Callable[[], Any]
+    needs: str | None = None  # the optional package the owner needs (a logger's), if any
 
     def missing(self) -> str | None:
         """None if the name is still there; else what is missing."""
@@ -169,5 +188,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("pytorch_lightning.strategies.DDPStrategy", "_timeout", _ddp_strategy),
     PrivateName("pytorch_lightning.strategies.DDPStrategy", "_process_group_backend", _ddp_strategy),
     PrivateName("pytorch_lightning.strategies.DDPStrategy", "_get_process_group_backend", _ddp_strategy),
-    *(PrivateName("pytorch_lightning.Trainer.fit_loop", path, _fit_loop) for _, path in FIT_PROGRESS),
+    *(PrivateName("pytorch_lightning.Trainer.fit_loop", path, _fit_loop) for _, path in FIT_PROGRESS + FIT_COUNTERS),
+    *(
+        PrivateName(where, name, owner, needs)
+        for where, needs, attributes, owner in LOGGER_OWNERS
+        for name in attributes
+    ),
 )

@@ -117,11 +117,18 @@ def _staged_value(value: Any, staging: str) -> Any:
 
 
 def collect(staging: str) -> dict[str, bytes]:
-    """Every file written under ``staging``, keyed by its path on the driver."""
+    """Every file written under ``staging``, keyed by its path on the driver.
+
+    Symbolic links are left out: loggers link to files of their own (W&B's ``debug.log``, ``latest-run``,
+    a log under the home directory), and the files they point to either come back themselves or
+    are none of the driver's business.
+    """
     files = {}
     for directory, _, names in os.walk(staging):
         for name in names:
             path = os.path.join(directory, name)
+            if os.path.islink(path):
+                continue
             with open(path, "rb") as f:
                 files[from_staged(path, staging)] = f.read()
     return files
@@ -150,8 +157,14 @@ def fetch_after_failure(area: StagingArea, timeout_s: float) -> list[str]:
 
 
 def write(files: dict[str, bytes]) -> None:
-    """On the driver: write the files rank 0 sent back at their paths."""
+    """On the driver: write the files rank 0 sent back at their paths.
+
+    A symbolic link at such a path is replaced, never written through (it may point at another of
+    the driver's files, e.g. the log of an earlier W&B run).
+    """
     for path, data in files.items():
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if os.path.islink(path):
+            os.unlink(path)
         with open(path, "wb") as f:
             f.write(data)

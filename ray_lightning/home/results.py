@@ -3,8 +3,9 @@
 :class:`WorkerOutput` is the whole contract: :func:`collect_worker_output` fills it in each worker
 when the Trainer function returns, :func:`apply_to_driver` reads rank 0's on the driver. Rank 0
 sends trained weights (:mod:`.weights`), metrics, loop progress (so ``trainer.current_epoch``/
-``global_step`` are right), the state of stateful callbacks (``ModelCheckpoint.best_model_path``/
-``best_model_score``, ``EarlyStopping``...), and, when it ran off the driver's machine, the files it
+``global_step`` are right, and the next ``fit`` logs at the steps after), the state of stateful
+callbacks (``ModelCheckpoint.best_model_path``/``best_model_score``, ``EarlyStopping``...), what
+its loggers learned (:mod:`.loggers`), and, when it ran off the driver's machine, the files it
 wrote (:mod:`.files`). When predicting, every rank sends its predictions with their dataset
 indices (:mod:`.predictions`).
 """
@@ -23,7 +24,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.trainer.states import TrainerFn, TrainerState
 
 from ray_lightning import _lightning
-from ray_lightning.home import files
+from ray_lightning.home import files, loggers
 from ray_lightning.home.predictions import PredictionRecorder
 from ray_lightning.home.weights import pack_weights, unpack_weights
 
@@ -42,6 +43,8 @@ class WorkerOutput:
     fit_progress: dict[str, Any] | None = None
     # (state_key, state) in the workers' callback order; two callbacks may share a state_key.
     callback_states: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    # What each logger learned that the driver's copy needs (checkpoints logged as artifacts), in order.
+    logger_states: list[dict[str, Any]] = field(default_factory=list)
     files: dict[str, bytes] = field(default_factory=dict)
     staged: bool = False  # rank 0 wrote its files elsewhere and sent them: `files` is all there is
     predictions: list[tuple[int, list[int], Any]] | None = None
@@ -78,6 +81,7 @@ def collect_worker_output(
         logged_metrics=move_data_to_device(dict(trainer.logged_metrics), "cpu"),
         progress_bar_metrics=move_data_to_device(dict(trainer.progress_bar_metrics), "cpu"),
         fit_progress=_lightning.fit_progress_state(trainer) if fitting else None,
+        logger_states=loggers.states_for_driver(trainer, staging),
         predictions=predictions,
         num_predict_dataloaders=len(trainer.num_predict_batches) if predicting else 0,
         return_predictions=predicting and trainer.predict_loop.return_predictions,
@@ -130,7 +134,8 @@ def apply_to_driver(trainer: pl.Trainer, output: WorkerOutput) -> None:
     if output.fit_progress is not None:
         _lightning.load_fit_progress(trainer, output.fit_progress)
     _load_callback_states(trainer, output)
-    files.write(output.files)
+    loggers.load_states(trainer, output.logger_states)
+    files.write(loggers.arriving_files(trainer, output.files))
 
 
 def _load_weights(module: pl.LightningModule, packed: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ from ray_lightning import runtime
 from ray_lightning.channel.heartbeat import Heartbeat, HeartbeatCallback
 from ray_lightning.channel.progress import readable_output
 from ray_lightning.channel.worker_output import end_of_output
-from ray_lightning.home import files
+from ray_lightning.home import files, loggers
 from ray_lightning.home.predictions import PredictionRecorder
 from ray_lightning.home.results import WorkerOutput, collect_worker_output
 from ray_lightning.launch.payload import with_checkpoint_path
@@ -92,7 +92,8 @@ class WorkerCall:
             if context.progress_interval_s is not None:
                 trainer.callbacks.append(HeartbeatCallback())
             rank_zero = context.rank.global_rank == 0
-            with readable_output(rank_zero, progress_to_driver=context.driver_queue is not None):
+            logging_runs = loggers.in_worker(trainer, staging)  # rank 0 closes its runs before they are collected
+            with readable_output(rank_zero, progress_to_driver=context.driver_queue is not None), logging_runs:
                 results = function(*args, **kwargs)
             runtime.mark_progress("collecting the results")
             output = collect_worker_output(trainer, results, recorder, staging)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ray_lightning.config import FORWARDED_ENV_PREFIXES
+from ray_lightning.config import FORWARDED_ENV_PREFIXES, NOT_FORWARDED_ENV
 from ray_lightning.environment import WorkerRank, assign_cuda_devices, shares_a_gpu
 from ray_lightning.home.files import StagingArea
 from ray_lightning.launch.actor import NodeInfo
@@ -60,7 +60,7 @@ def build_contexts(
     devices = assign_cuda_devices(node_ids, gpu_ids)
     shared = shares_a_gpu(node_ids, gpu_ids)
     rank_zero = next(info for rank, info in zip(ranks, infos) if rank.global_rank == 0)
-    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES) and k not in NOT_FORWARDED_ENV}
     sys_path = driver_sys_path()
     # Trainer(deterministic=..., benchmark=...) set these in this process only.
     torch_flags = TorchFlags.capture()

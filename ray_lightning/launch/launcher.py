@@ -31,7 +31,7 @@ from typing_extensions import override
 from ray_lightning import _lightning
 from ray_lightning.channel.worker_output import output_sync
 from ray_lightning.errors import RayWorkerError, WorkerHangError
-from ray_lightning.home import files
+from ray_lightning.home import files, loggers
 from ray_lightning.home.predictions import merge_predictions
 from ray_lightning.home.results import WorkerOutput, apply_to_driver
 from ray_lightning.launch import idle_pool
@@ -203,9 +203,5 @@ def _wait_for_output(call: CallSettings, ranks: list[int], timeout_s: float) -> 
 
 
 def _fix_output_locations(trainer: pl.Trainer) -> None:
-    """On the driver: settle where rank 0 writes, so the driver's Trainer points there afterwards."""
-    for logger in trainer.loggers:
-        # Fix the version (e.g. lightning_logs/version_3) here, so rank 0 writes where
-        # `trainer.logger.log_dir` points on the driver afterwards.
-        _ = logger.version
-    files.make_absolute(trainer)
+    """On the driver: settle where rank 0 writes and which logger runs it continues (``home.loggers``)."""
+    loggers.prepare_on_driver(trainer)

@@ -1,0 +1,138 @@
+"""Private attributes of Lightning's W&B, MLflow and Comet loggers, under names of our own.
+
+Each is used because no public API does the job (what is done with them:
+:mod:`ray_lightning.home.loggers`):
+
+* ``WandbLogger._experiment``, ``CometLogger._experiment``: the run the logger holds, if any; the
+  driver hands it over to rank 0 and rank 0 finishes its own (``logger.experiment`` would start one).
+* ``WandbLogger._wandb_init``, ``_id``: the arguments of ``wandb.init`` and the run id
+  (``logger.version`` only reads the id).
+* ``WandbLogger.__getstate__`` starts a run in the process that pickles the logger: the driver
+  ships the logger's state without it (:func:`ship`).
+* ``_logged_model_time`` (W&B, MLflow) and ``WandbLogger._checkpoint_name``: which checkpoints rank 0
+  logged as artifacts; the driver's logger learns them, so the next ``fit`` does not log them again.
+* ``MLFlowLogger._tracking_uri``, ``_mlflow_client``: where the run is stored (``save_dir`` only reads it).
+* ``CometLogger._comet_config``: where an offline experiment is archived (``save_dir`` only reads it).
+
+Every one is in :data:`PRIVATE_NAMES` (via :mod:`.names`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+# What rank 0's logger knows after a call that the driver's must know for the next one.
+STATE_FOR_DRIVER = ("_logged_model_time", "_checkpoint_name")
+WANDB_ATTRIBUTES = ("_experiment", "_wandb_init", "_id", "_logged_model_time", "_checkpoint_name")
+MLFLOW_ATTRIBUTES = ("_tracking_uri", "_mlflow_client", "_logged_model_time")
+COMET_ATTRIBUTES = ("_experiment", "_comet_config")
+
+
+def live_run(logger: Any) -> Any:
+    """The run (W&B) or experiment (Comet) ``logger`` holds, without starting one; None if none."""
+    return vars(logger).get("_experiment")
+
+
+def forget_run(logger: Any) -> None:
+    logger._experiment = None
+
+
+def wandb_init_arguments(logger: Any) -> dict[str, Any]:
+    """The keyword arguments the W&B logger passes to ``wandb.init`` (the logger's own dict: changes stick)."""
+    return logger._wandb_init
+
+
+def wandb_run_id(logger: Any) -> str | None:
+    return logger._id
+
+
+def set_wandb_run_id(logger: Any, run_id: str) -> None:
+    logger._id = run_id
+    logger._wandb_init["id"] = run_id
+
+
+def state_for_driver(logger: Any) -> dict[str, Any]:
+    """What of ``logger`` the driver's copy takes over after a call (:data:`STATE_FOR_DRIVER`)."""
+    return {name: getattr(logger, name) for name in STATE_FOR_DRIVER if hasattr(logger, name)}
+
+
+def load_state_for_driver(logger: Any, state: dict[str, Any]) -> None:
+    for name, value in state.items():
+        if name in STATE_FOR_DRIVER and hasattr(logger, name):
+            setattr(logger, name, value)
+
+
+def mlflow_tracking_uri(logger: Any) -> str:
+    return logger._tracking_uri
+
+
+def set_mlflow_tracking_uri(logger: Any, uri: str) -> None:
+    """Point ``logger`` (whose run already exists) at the store ``uri``."""
+    from mlflow.tracking import MlflowClient
+
+    logger._tracking_uri = uri
+    logger._mlflow_client = MlflowClient(uri)
+
+
+def comet_config(logger: Any) -> Any:
+    """The ``comet_ml.ExperimentConfig`` the Comet logger starts its experiments with."""
+    return logger._comet_config
+
+
+def ship(logger: Any, extra: dict[str, Any] | None = None) -> None:
+    """From now on ``logger`` pickles as its attributes, ``extra`` added and no live run.
+
+    Plain attribute state, as every Lightning logger but W&B's pickles; ``WandbLogger.__getstate__``
+    would call ``wandb.init`` in this process. The hook is on this one object (pickle, cloudpickle
+    and ``copy`` look ``__reduce_ex__`` up on the instance); calling ``ship`` again replaces ``extra``.
+    """
+    logger.__reduce_ex__ = _Reduce(logger, dict(extra or {}))
+
+
+class _Reduce:
+    """``logger.__reduce_ex__``: rebuild the logger from its attributes, without its run."""
+
+    def __init__(self, logger: Any, extra: dict[str, Any]) -> None:
+        self.logger = logger
+        self.extra = extra
+
+    def __call__(self, protocol: int) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        state = {k: v for k, v in vars(self.logger).items() if k != "__reduce_ex__"}
+        if "_experiment" in state:
+            state["_experiment"] = None
+        state.update(self.extra)
+        return _rebuild, (type(self.logger), state)
+
+
+def _rebuild(cls: type, state: dict[str, Any]) -> Any:
+    logger = cls.__new__(cls)
+    logger.__dict__.update(state)
+    return logger
+
+
+def _wandb_logger() -> Any:
+    from pytorch_lightning.loggers import WandbLogger
+
+    return WandbLogger(save_dir=os.devnull)
+
+
+def _mlflow_logger() -> Any:
+    from pytorch_lightning.loggers import MLFlowLogger
+
+    # A server URI: the client connects to nothing until used (a file store would be created).
+    return MLFlowLogger(tracking_uri="http://127.0.0.1:9")
+
+
+def _comet_logger() -> Any:
+    from pytorch_lightning.loggers import CometLogger
+
+    return CometLogger(online=False)  # a disabled experiment: no key, no network, no files
+
+
+LOGGER_OWNERS: tuple[tuple[str, str, tuple[str, ...], Callable[[], Any]], ...] = (
+    ("pytorch_lightning.loggers.WandbLogger", "wandb", WANDB_ATTRIBUTES, _wandb_logger),
+    ("pytorch_lightning.loggers.MLFlowLogger", "mlflow", MLFLOW_ATTRIBUTES, _mlflow_logger),
+    ("pytorch_lightning.loggers.CometLogger", "comet_ml", COMET_ATTRIBUTES, _comet_logger),
+)
