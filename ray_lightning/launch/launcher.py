@@ -35,7 +35,7 @@ from ray_lightning.home.predictions import merge_predictions
 from ray_lightning.home.results import WorkerOutput, apply_to_driver
 from ray_lightning.launch import idle_pool
 from ray_lightning.launch.contexts import build_contexts, describe_placement, nodes_by_rank
-from ray_lightning.launch.payload import checkpoint_argument, checkpoint_files, put_payload
+from ray_lightning.launch.payload import check_checkpoint_exists, checkpoint_argument, checkpoint_files, put_payload
 from ray_lightning.launch.placement import OwnPlacement, TrialPlacement, alive_node_resources, check_cluster_can_hold
 from ray_lightning.launch.protocol import LaunchedStrategy
 from ray_lightning.launch.session import driver_node_id, ensure_ray_initialized
@@ -69,10 +69,11 @@ class RayLauncher(_lightning.Launcher):
         if trainer is not None:
             self._strategy.check_trainer(trainer)
         ensure_ray_initialized()
+        check_checkpoint_exists(function, args, kwargs)
         if trainer is not None:
             _fix_output_locations(trainer)
-        payload = put_payload(trainer, function, args, kwargs)
         checkpoint = checkpoint_argument(function, args, kwargs, trainer)
+        payload = put_payload(trainer, function, args, kwargs)
         group = self._acquire_group()
         outputs = self._run(group, payload, trainer, checkpoint)
         return self._bring_home(outputs, trainer)
