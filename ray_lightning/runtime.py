@@ -76,6 +76,8 @@ class WorkerContext:
     # The queue of calls to run on the driver (ray_lightning.channel), if the Trainer needs one.
     driver_queue: Any = None
     checkpoint_file: CheckpointFile | None = None
+    # How many machines (distinct node IPs) the workers span; Ray nodes may share one.
+    num_machines: int = 1
 
 
 _current: WorkerContext | None = None

@@ -34,8 +34,12 @@ from tests.models import BoringModel
         ({"resources_per_worker": [("CPU", 1)]}, TypeError, "resources_per_worker must be a dict"),
         ({"init_hook": "not callable"}, TypeError, "init_hook must be a function"),
         ({"placement_timeout_s": 0}, ValueError, "placement_timeout_s must be a positive number"),
-        ({"cluster_environment": object()}, TypeError, "RayStrategy sets cluster_environment .*itself"),
-        ({"device_ids": [0]}, TypeError, r"RayStrategy sets device_ids \(each worker's device\) itself"),
+        ({"cluster_environment": object()}, TypeError, "RayStrategy sets cluster_environment itself"),
+        (
+            {"device_ids": [0]},
+            TypeError,
+            r"RayStrategy sets device_ids itself \(each worker's device\); do not pass device_ids",
+        ),
         ({"process_group": None}, TypeError, "process groups exist only in the workers"),
     ],
 )

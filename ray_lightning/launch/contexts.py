@@ -61,6 +61,7 @@ def build_contexts(
             torch_flags=torch_flags,
             driver_queue=driver_queue,
             checkpoint_file=local_checkpoint if info.node_id == driver_node else remote_checkpoint,
+            num_machines=len({i.node_ip for i in infos}),
         )
         for rank, info, (visible, index) in zip(ranks, infos, devices)
     ]

@@ -3,17 +3,20 @@
 Lightning's own DDP does the training work (wrapping the model, reducing gradients, collectives);
 this class only changes where processes come from (:class:`~ray_lightning.launch.launcher.RayLauncher`),
 where ranks come from (:class:`~ray_lightning.environment.RayEnvironment`) and how the process
-group meets (a TCPStore opened by rank 0 on an OS-chosen port).
+group meets (a TCPStore opened by rank 0 on its node IP and an OS-chosen port; gloo's listeners on
+each worker's node IP interface).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
+import ray
 from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from typing_extensions import override
@@ -21,6 +24,7 @@ from typing_extensions import override
 from ray_lightning import _lightning
 from ray_lightning.config import WorkerResources, check_keywords, resolve_worker_resources
 from ray_lightning.environment import RayEnvironment
+from ray_lightning.launch.network import interface_for, listener_environment
 from ray_lightning.strategies.workers import RayWorkersMixin
 
 # Arguments of DDPStrategy and DistributedDataParallel that RayStrategy (or Lightning in the
@@ -30,7 +34,7 @@ _DECIDED = {
     "parallel_devices": "from the GPUs the workers reserve",
     "cluster_environment": "from where Ray placed the workers",
     "start_method": "Ray starts the processes",
-    "checkpoint_io": "Trainer(plugins=...) sets it",
+    "checkpoint_io": "from Trainer(plugins=[...])",
     "module": "Lightning wraps the LightningModule",
     "device_ids": "each worker's device",
     "process_group": "process groups exist only in the workers; choose its backend with process_group_backend",
@@ -57,8 +61,8 @@ def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any], resources: WorkerResources)
     """Refuse, here on the driver, what would otherwise fail in every worker once they started."""
     decided = sorted(set(_DECIDED) & set(ddp_kwargs))
     if decided:
-        reasons = "; ".join(f"{name} ({_DECIDED[name]})" for name in decided)
-        raise TypeError(f"RayStrategy sets {reasons} itself; do not pass {', '.join(decided)}.")
+        reasons = "; ".join(f"{name} itself ({_DECIDED[name]})" for name in decided)
+        raise TypeError(f"RayStrategy sets {reasons}; do not pass {', '.join(decided)}.")
     check_keywords(
         "RayStrategy",
         ddp_kwargs,
@@ -168,6 +172,10 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
         self.set_world_ranks()
         backend = self.worker_process_group_backend()
         self.use_process_group_backend(backend)
+        # gloo's (and NCCL's bootstrap) listeners bind this node's IP; the call's environment is
+        # restored when it ends.
+        interface = interface_for(ray.util.get_node_ip_address())
+        os.environ.update(listener_environment(backend, interface, os.environ))
         store = self._rendezvous_store
         if store is None:
             from torch.distributed import TCPStore
