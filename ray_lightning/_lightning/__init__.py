@@ -32,6 +32,7 @@ from ray_lightning._lightning.names import (
     is_local_file_protocol,
     is_mock_optimizer,
     load_fit_progress,
+    output_directories,
 )
 from ray_lightning._lightning.strategy import LightningStrategyHooks
 
@@ -49,5 +50,6 @@ __all__ = [
     "is_local_file_protocol",
     "is_mock_optimizer",
     "load_fit_progress",
+    "output_directories",
     "raise_not_converted",
 ]
