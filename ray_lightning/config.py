@@ -11,10 +11,13 @@ Whether the cluster can hold a request is checked at launch (:mod:`ray_lightning
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import numbers
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,12 +57,31 @@ DEATH_GRACE_S = 2.0
 REUSE_CHECK_TIMEOUT_S = 30.0
 
 
-def _seconds(name: str, value: float | None, env: str, default: float, zero_ok: bool = False) -> float:
-    if value is None:
-        value = float(os.environ.get(env, default))
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not zero_ok):
-        kind = "non-negative" if zero_ok else "positive"
-        raise ValueError(f"{name} must be a {kind} number of seconds, got {value!r}.")
+# The longest wait Python's threads (and so every bound here) accept: about 292 years.
+MAX_SECONDS = threading.TIMEOUT_MAX
+
+
+def _seconds(name: str, value: Any, env: str, default: float, zero_ok: bool = False) -> float:
+    """A time bound from the argument ``name``, else the variable ``env``, else ``default``."""
+    source = name
+    if value is None and env in os.environ:
+        source, raw = f"{env} (environment variable)", os.environ[env]
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{source} must be a number of seconds, got {raw!r}.") from None
+    elif value is None:
+        value = default
+    kind = "non-negative" if zero_ok else "positive"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{source} must be a {kind} number of seconds, got {value!r}.")
+    if not math.isfinite(value) or value > MAX_SECONDS:
+        raise ValueError(
+            f"{source} must be a finite number of seconds (at most {MAX_SECONDS:.0f}), got {value!r}; "
+            "for a very long bound give a large number such as 86400 (a day)."
+        )
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ValueError(f"{source} must be a {kind} number of seconds, got {value!r}.")
     return float(value)
 
 
@@ -119,6 +141,43 @@ class WorkerTimeouts:
             ),
             _progress_seconds(progress_timeout_s),
         )
+
+
+def check_keywords(owner: str, given: Iterable[str], accepted: Iterable[str], takes: str) -> None:
+    """Refuse keyword arguments ``owner`` does not take, with the closest accepted name.
+
+    ``takes`` says in words what ``owner`` accepts, for the error message.
+    """
+    accepted = sorted(set(accepted))
+    unknown = sorted(set(given) - set(accepted))
+    if not unknown:
+        return
+    lines = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, accepted, n=1, cutoff=0.6)
+        lines.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise TypeError(
+        f"{owner} got unknown keyword argument(s) {', '.join(lines)}. {owner} takes {takes}: {', '.join(accepted)}."
+    )
+
+
+def check_init_hook(init_hook: Any) -> None:
+    """``init_hook`` is called in every worker with no arguments: refuse what cannot be."""
+    if init_hook is None:
+        return
+    if not callable(init_hook):
+        raise TypeError(f"init_hook must be a function taking no arguments, got {init_hook!r}.")
+    try:
+        signature = inspect.signature(init_hook)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: it will tell for itself
+    try:
+        signature.bind()
+    except TypeError as error:
+        raise TypeError(
+            f"init_hook is called with no arguments in every worker, but {init_hook!r} cannot be ({error}). "
+            "Give it defaults, or wrap it: init_hook=lambda: setup(value)."
+        ) from None
 
 
 def worker_layout(num_workers: Any, num_hosts: Any, num_slots: Any) -> tuple[int, int | None]:
@@ -214,7 +273,7 @@ class WorkerResources:
         return options
 
     def describe(self) -> str:
-        parts = [f"{fmt_amount(v)} {k}" for k, v in self.bundle().items()]
+        parts = [f"{fmt_resource(k, v)} {k}" for k, v in self.bundle().items()]
         each = f"{{{', '.join(parts) or 'nothing'}}}"
         if self.num_hosts:
             return f"{self.num_hosts} host(s) x {self.workers_per_host} worker(s) x {each}"
@@ -223,6 +282,21 @@ class WorkerResources:
 
 def fmt_amount(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+# Ray's resources counted in bytes.
+_BYTES = ("memory", "object_store_memory")
+
+
+def fmt_resource(name: str, value: float) -> str:
+    """``value`` of resource ``name`` for people: bytes in KiB/MiB/GiB/..., other amounts as numbers."""
+    if name not in _BYTES:
+        return fmt_amount(value)
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+    index = 0
+    while abs(value) >= 1024 and index < len(units) - 1:
+        value, index = value / 1024, index + 1
+    return f"{value:.1f}".removesuffix(".0") + f" {units[index]}"
 
 
 def _check_amount(name: str, value: Any) -> float:
@@ -291,11 +365,15 @@ def resolve_worker_resources(
     return WorkerResources(int(num_workers), cpus, gpus, custom, num_hosts)
 
 
-def describe_totals(resources: Mapping[str, float]) -> str:
+def describe_totals(resources: Mapping[str, float], memory: bool = False) -> str:
+    """``{CPU: 4, GPU: 1, my_resource: 2}``: what a node, cluster or request holds.
+
+    Node markers and placement-group resources are left out, and so is memory unless ``memory``
+    (it is in bytes, and only worth showing when it is what a request lacks).
+    """
     shown = {
         k: v
         for k, v in resources.items()
-        if k in _BUILTIN[:2] or (not k.startswith("node:") and k not in ("memory", "object_store_memory"))
+        if not k.startswith("node:") and "_group_" not in k and k != "object_store_memory" and (memory or k != "memory")
     }
-    shown = {k: v for k, v in shown.items() if "_group_" not in k}
-    return "{" + ", ".join(f"{k}: {fmt_amount(v)}" for k, v in sorted(shown.items())) + "}"
+    return "{" + ", ".join(f"{k}: {fmt_resource(k, v)}" for k, v in sorted(shown.items())) + "}"

@@ -85,6 +85,8 @@ class WorkerContext:
     # Written to stdout and stderr when the call ends, so the driver knows all of its output
     # arrived (ray_lightning.channel.worker_output); None: the driver does not wait for it.
     output_marker: str | None = None
+    # How many machines (distinct node IPs) the workers span; Ray nodes may share one.
+    num_machines: int = 1
 
 
 class ProgressMarker(Protocol):

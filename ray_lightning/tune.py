@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
@@ -64,6 +64,8 @@ def _callback_hooks() -> list[str]:
 
 
 def _hook_names(on: str | Sequence[str]) -> list[str]:
+    if not isinstance(on, Iterable):
+        raise TypeError(f"`on` takes a Lightning hook name such as 'validation_end', or a list of them, got {on!r}.")
     names = [on] if isinstance(on, str) else list(on)
     if not names:
         raise ValueError("`on` names at least one Lightning callback hook, e.g. 'validation_end'.")
@@ -88,8 +90,13 @@ def _metric_names(metrics: None | str | Sequence[str] | Mapping[str, str]) -> di
         return {metrics: metrics}
     if isinstance(metrics, Mapping):
         pairs = dict(metrics)
-    else:
+    elif isinstance(metrics, Iterable):
         pairs = {m: m for m in metrics}
+    else:
+        raise TypeError(
+            "metrics takes None (every logged metric), a metric name, a list of names or a dict "
+            f"{{'name for Tune': 'name logged in Lightning'}}, got {metrics!r}."
+        )
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in pairs.items()):
         raise TypeError(f"metrics names must be strings, got {metrics!r}.")
     return pairs

@@ -192,3 +192,65 @@ class HorovodRanks(Recorder):
                 "optimizer": type(trainer.optimizers[0]).__module__,
             },
         )
+
+
+class Listeners(pl.Callback):
+    """Records, in each worker during training, the TCP sockets its process listens on.
+
+    Writes ``<directory>/<name>-listeners-rank<r>.json`` at the first training batch of each fit
+    (``fit`` counts the fits of this callback object, so reused workers write a new file).
+    """
+
+    def __init__(self, directory, name: str = "fit") -> None:
+        self.directory = str(directory)
+        self.name = name
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import json
+        import os
+
+        import psutil
+        import ray
+
+        if batch_idx != 0 or trainer.current_epoch != 0:
+            return
+        listening = [
+            (c.laddr.ip, c.laddr.port)
+            for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
+        record = {
+            "global_rank": trainer.global_rank,
+            "pid": os.getpid(),
+            "actor_id": ray.get_runtime_context().get_actor_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "listening": sorted(listening),
+            "master_port": int(os.environ.get("MASTER_PORT", "-1")),
+            "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+            "horovod_rendezvous": os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"),
+            "horovod_rendezvous_port": int(os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "-1")),
+        }
+        with open(os.path.join(self.directory, f"{self.name}-listeners-rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(record, f)
+
+
+class StagingMode(pl.Callback):
+    """On a staged rank 0 (off the driver's machine), writes its staging directory's permission bits to
+    ``<directory>/staging-mode.json``."""
+
+    def __init__(self, directory) -> None:
+        self.directory = str(directory)
+
+    def on_train_start(self, trainer, pl_module):
+        import json
+        import os
+        import stat
+
+        from ray_lightning import runtime
+        from ray_lightning.home.files import staging_dir
+
+        context = runtime.current_context()
+        if context is not None and context.staging_name:
+            mode = stat.S_IMODE(os.stat(staging_dir(context.staging_name)).st_mode)
+            with open(os.path.join(self.directory, "staging-mode.json"), "w") as f:
+                json.dump({"rank": trainer.global_rank, "mode": mode}, f)

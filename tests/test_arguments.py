@@ -7,7 +7,7 @@ import pytorch_lightning as pl
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from ray_lightning import ClusterResourceError, RayAccelerator, RayStrategy
+from ray_lightning import ClusterResourceError, HorovodRayAccelerator, HorovodRayStrategy, RayAccelerator, RayStrategy
 from ray_lightning.config import resolve_worker_resources
 from ray_lightning.launch.placement import check_cluster_can_hold
 from tests.conftest import alive_worker_actors
@@ -35,11 +35,181 @@ from tests.models import BoringModel
         ({"init_hook": "not callable"}, TypeError, "init_hook must be a function"),
         ({"placement_timeout_s": 0}, ValueError, "placement_timeout_s must be a positive number"),
         ({"cluster_environment": object()}, TypeError, "RayStrategy sets cluster_environment itself"),
+        (
+            {"device_ids": [0]},
+            TypeError,
+            r"RayStrategy sets device_ids itself \(each worker's device\); do not pass device_ids",
+        ),
+        ({"process_group": None}, TypeError, "process groups exist only in the workers"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, error, message):
     with pytest.raises(error, match=message):
         RayStrategy(**kwargs)
+
+
+_DDP = "takes its own arguments and those of Lightning's DDPStrategy and torch's DistributedDataParallel: "
+NAN, INF = float("nan"), float("inf")
+_FINITE = "must be a finite number of seconds"
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        # Unknown keywords used to pass through **ddp_kwargs and fail in every worker.
+        (
+            lambda: RayStrategy(num_worker=2),
+            TypeError,
+            rf"'num_worker' \(did you mean 'num_workers'\?\)\. RayStrategy {_DDP}.*find_unused_parameters",
+        ),
+        (
+            lambda: RayStrategy(placement_timeout=10),
+            TypeError,
+            r"'placement_timeout' \(did you mean 'placement_timeout_s'\?\)",
+        ),
+        (lambda: RayStrategy(find_unused_parameter=True), TypeError, r"did you mean 'find_unused_parameters'\?"),
+        (
+            lambda: RayAccelerator(num_workers=2, bogus_kwarg=1),
+            TypeError,
+            r"RayAccelerator got unknown keyword argument\(s\) 'bogus_kwarg'\. "
+            r"RayAccelerator takes its own arguments and RayStrategy's: .*cpus_per_worker",
+        ),
+        (
+            lambda: RayAccelerator(num_workers=2, num_cpus_per_worker=2),
+            TypeError,
+            "RayAccelerator calls num_cpus_per_worker cpus_per_worker: write cpus_per_worker=2",
+        ),
+        (
+            lambda: HorovodRayAccelerator(bogus=1),
+            TypeError,
+            r"HorovodRayAccelerator got unknown keyword argument\(s\) 'bogus'\. HorovodRayAccelerator takes "
+            r"its own arguments and HorovodRayStrategy's: cpus_per_worker, init_hook, .*num_hosts",
+        ),
+        (lambda: HorovodRayAccelerator(num_worker=2), TypeError, r"'num_worker' \(did you mean 'num_workers'\?\)"),
+        (
+            lambda: RayStrategy(timeout=30),
+            TypeError,
+            r"timeout .*must be a datetime.timedelta, e.g. timeout=timedelta\(seconds=30\), got 30",
+        ),
+        (
+            lambda: RayStrategy(process_group_backend="nccl"),
+            ValueError,
+            "process_group_backend='nccl' needs GPUs, but the workers reserve none .*"
+            "Use process_group_backend='gloo'.*use_gpu=True",
+        ),
+        (
+            lambda: RayAccelerator(num_workers=2, process_group_backend="nccl"),
+            ValueError,
+            "process_group_backend='nccl' needs GPUs",
+        ),
+        (
+            lambda: RayStrategy(init_hook=lambda x: x),
+            TypeError,
+            r"init_hook is called with no arguments in every worker, but .* cannot be "
+            r"\(missing a required argument: 'x'\)",
+        ),
+        (lambda: HorovodRayStrategy(init_hook=lambda x: x), TypeError, "init_hook is called with no arguments"),
+        (lambda: RayStrategy(placement_timeout_s=NAN), ValueError, f"placement_timeout_s {_FINITE} .*got nan"),
+        (lambda: RayStrategy(placement_timeout_s=INF), ValueError, f"placement_timeout_s {_FINITE} .*got inf"),
+        (lambda: RayStrategy(worker_start_timeout_s=NAN), ValueError, f"worker_start_timeout_s {_FINITE}"),
+        (lambda: RayStrategy(worker_start_timeout_s=INF), ValueError, f"worker_start_timeout_s {_FINITE}"),
+        (lambda: RayStrategy(keep_workers_alive_s=NAN), ValueError, f"keep_workers_alive_s {_FINITE}"),
+        # inf used to kill the thread that releases idle workers: they were never released.
+        (lambda: RayStrategy(keep_workers_alive_s=INF), ValueError, f"keep_workers_alive_s {_FINITE} .*86400"),
+        (
+            lambda: HorovodRayStrategy(keep_workers_alive_s=1e300),
+            ValueError,
+            rf"keep_workers_alive_s {_FINITE} \(at most",
+        ),
+        (
+            lambda: RayStrategy(worker_start_timeout_s="60"),
+            TypeError,
+            "worker_start_timeout_s must be a positive number of seconds, got '60'",
+        ),
+    ],
+)
+def test_bad_arguments_fail_before_anything_launches(ray_local, make, error, message):
+    with pytest.raises(error, match=message):
+        pl.Trainer(max_epochs=1, strategy=make(), logger=False).fit(BoringModel())
+    assert not alive_worker_actors()
+
+
+@pytest.mark.parametrize(
+    "variable, value",
+    [
+        ("RAY_LIGHTNING_PLACEMENT_TIMEOUT_S", "abc"),
+        ("RAY_LIGHTNING_PLACEMENT_TIMEOUT_S", "nan"),
+        ("RAY_LIGHTNING_WORKER_START_TIMEOUT_S", "inf"),
+        ("RAY_LIGHTNING_WORKER_START_TIMEOUT_S", "-1"),
+        ("RAY_LIGHTNING_KEEP_WORKERS_ALIVE_S", "1e400"),
+        ("RAY_LIGHTNING_KEEP_WORKERS_ALIVE_S", ""),
+    ],
+)
+def test_unreadable_environment_variables_name_the_variable(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=rf"^{variable} \(environment variable\) must be a .*number of seconds"):
+        RayStrategy(num_workers=2)
+    monkeypatch.setenv(variable, "5")
+    assert RayStrategy(num_workers=2).resources.num_workers == 2  # an explicit argument still wins over it
+    assert RayStrategy(placement_timeout_s=7).placement_timeout_s == 7.0
+
+
+def test_lightning_and_torch_arguments_still_pass():
+    from datetime import timedelta
+
+    strategy = RayStrategy(
+        num_workers=2,
+        find_unused_parameters=True,
+        static_graph=False,
+        bucket_cap_mb=10,
+        process_group_backend="gloo",
+        timeout=timedelta(seconds=60),
+        init_hook=print,  # callable without arguments
+    )
+    assert strategy.ddp_timeout == timedelta(seconds=60)
+    assert strategy.requested_process_group_backend == "gloo"
+    assert RayStrategy(use_gpu=True, process_group_backend="nccl").requested_process_group_backend == "nccl"
+    assert RayAccelerator(num_workers=2, cpus_per_worker=2, find_unused_parameters=True).make_strategy()
+
+
+def test_a_checkpoint_path_that_exists_nowhere_fails_before_any_worker_starts(ray_local, tmp_path):
+    trainer = pl.Trainer(max_epochs=1, strategy=RayStrategy(num_workers=2), logger=False)
+    missing = str(tmp_path / "missing.ckpt")
+    with pytest.raises(FileNotFoundError, match=f"ckpt_path='{missing}' exists neither on this machine nor on any"):
+        trainer.fit(BoringModel(), ckpt_path=missing)
+    assert not alive_worker_actors()
+    with pytest.raises(FileNotFoundError, match="ckpt_path='missing.ckpt'"):
+        trainer.test(BoringModel(), ckpt_path="missing.ckpt")
+    assert not alive_worker_actors()
+
+
+@pytest.mark.parametrize(
+    "ckpt_path", [None, "best", "last", "hpc", "registry", "registry:model:v1", "s3://bucket/x.ckpt"]
+)
+def test_lightnings_own_checkpoint_names_and_remote_urls_pass_through(ckpt_path):
+    from ray_lightning.launch.payload import check_checkpoint_exists
+
+    def fit(model, ckpt_path=None):
+        pass
+
+    check_checkpoint_exists(fit, (None,), {"ckpt_path": ckpt_path})  # left to Lightning in the workers
+    check_checkpoint_exists(fit, (None, ckpt_path), {})
+
+
+def test_devices_are_ignored_with_a_warning():
+    with pytest.warns(UserWarning, match=r"Trainer\(devices=4\) is ignored: .* num_workers"):
+        pl.Trainer(devices=4, strategy=RayStrategy(num_workers=2), logger=False)
+    with pytest.warns(UserWarning, match=r"Trainer\(devices=\[0, 1\]\) is ignored"):
+        pl.Trainer(devices=[0, 1], accelerator=RayAccelerator(num_workers=2), logger=False)
+    import warnings
+
+    # The default ("auto") and 1 say nothing: Lightning turns "auto" into 1 before asking.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pl.Trainer(strategy=RayStrategy(num_workers=2), logger=False)
+        pl.Trainer(devices=1, strategy=RayStrategy(num_workers=2), logger=False)
+        pl.Trainer(devices="auto", accelerator=RayAccelerator(num_workers=2), logger=False)
+    assert not [w for w in caught if "devices" in str(w.message)]
 
 
 def test_bad_accelerator_arguments_fail_at_construction():
@@ -71,6 +241,12 @@ _NODES = [{"CPU": 4.0, "memory": 1e9, "node:10.0.0.1": 1.0}, {"CPU": 2.0, "custo
         ((2, 1, False, {"tpu_v9": 1}), "which no node in the Ray cluster has"),
         ((1, 5, False, None), "No single node can hold one worker"),
         ((4, 2, False, None), "8 CPU in all, but the whole Ray cluster has 6 CPU"),
+        # Memory, in bytes for Ray, is shown in human units when the request asks for it.
+        (
+            (1, 1, False, {"memory": 2e9}),
+            r"one worker \{CPU: 1, memory: 1.9 GiB\}; the nodes have: \{CPU: 4, memory: 953.7 MiB\}; \{CPU: 2, ",
+        ),
+        ((2, 1, False, {"memory": 1e9}), r"= 1.9 GiB memory in all, but the whole Ray cluster has 953.7 MiB memory"),
     ],
 )
 def test_cluster_check_names_request_and_cluster(request_args, message):
@@ -89,6 +265,11 @@ def test_cluster_check_accepts_what_fits():
         ({"num_workers": 2, "use_gpu": True}, "the Ray cluster has no GPUs"),
         ({"num_workers": 2, "resources_per_worker": {"custom_acel": 1}}, "Did you mean 'custom_accel'"),
         ({"num_workers": 20}, "the whole Ray cluster has 8 CPU"),
+        (
+            {"num_workers": 1, "resources_per_worker": {"CPU": 1, "memory": 1e15}},
+            r"No single node can hold one worker \{CPU: 1, memory: 909.5 TiB\}; "
+            r"the nodes have: \{CPU: 8, .*memory: [\d.]+ [GM]iB\}",
+        ),
     ],
 )
 def test_impossible_requests_fail_before_any_actor_starts(ray_local, strategy_kwargs, message):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
@@ -41,6 +42,7 @@ def test_staging_moves_every_directory_and_maps_back(tmp_path):
     trainer = _trainer()
     driver_files.make_absolute(trainer)
     driver_paths = _directories(trainer)
+    scope = driver_files.WriteScope.of(trainer)
     staging = str(tmp_path / "staging")
 
     driver_files.stage(trainer, staging)
@@ -61,7 +63,7 @@ def test_staging_moves_every_directory_and_maps_back(tmp_path):
     }
     files = driver_files.collect(staging)
     assert files == {best[len(staging) :]: b"weights"}
-    driver_files.write(files)
+    assert driver_files.write(files, scope) == [best[len(staging) :]]
     with open(best[len(staging) :], "rb") as f:
         assert f.read() == b"weights"
 
@@ -91,6 +93,95 @@ def test_symbolic_links_are_neither_sent_nor_written_through(tmp_path):
     earlier.parent.mkdir(parents=True)
     earlier.write_text("the driver's log")
     (driver_dir / "debug.log").symlink_to(earlier)
-    driver_files.write({str(driver_dir / "debug.log"): b"new"})
+    driver_files.write(
+        {str(driver_dir / "debug.log"): b"new"}, driver_files.WriteScope((os.path.realpath(driver_dir),))
+    )
     assert earlier.read_text() == "the driver's log"
     assert not (driver_dir / "debug.log").is_symlink() and (driver_dir / "debug.log").read_text() == "new"
+
+
+def test_the_staging_directory_is_private_to_its_user(tmp_path):
+    import stat
+
+    previous = os.umask(0o002)  # a permissive umask must not make it group-readable
+    try:
+        staging = str(tmp_path / "ray_lightning-staging-abc")
+        driver_files.stage(_trainer(), staging)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(staging).st_mode) == 0o700
+    # A directory someone made first, open to others, is not written into.
+    taken = tmp_path / "ray_lightning-staging-taken"
+    taken.mkdir(mode=0o777)
+    os.chmod(taken, 0o777)
+    with pytest.raises(PermissionError, match=f"staging directory {taken} already exists and is not a private"):
+        driver_files.stage(_trainer(), str(taken))
+    # Nor a symbolic link to somewhere else.
+    link = tmp_path / "ray_lightning-staging-link"
+    link.symlink_to(staging)
+    with pytest.raises(PermissionError, match="is not a private directory"):
+        driver_files.stage(_trainer(), str(link))
+
+
+def test_the_driver_writes_only_where_its_trainer_writes(tmp_path, caplog):
+    trainer = _trainer(default_root_dir="runs")
+    driver_files.make_absolute(trainer)
+    scope = driver_files.WriteScope.of(trainer)
+    home = tmp_path / "home"
+    home.mkdir()
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "escape").symlink_to(home)  # a link inside the run directory to outside it
+    sent = {
+        str(tmp_path / "runs" / "lightning_logs" / "version_0" / "metrics.csv"): b"ok",
+        str(tmp_path / "ckpts" / "epoch=0.ckpt"): b"ok",
+        str(tmp_path / "runs" / ".." / "home" / ".bashrc"): b"evil",
+        str(tmp_path / "runs" / "escape" / ".profile"): b"evil",
+        str(home / ".bashrc"): b"evil",
+        "../home/.bashrc": b"evil",
+    }
+    with caplog.at_level("WARNING", logger="ray_lightning.home.files"):
+        written = driver_files.write(sent, scope)
+    assert written == sorted(
+        [
+            str(tmp_path / "ckpts" / "epoch=0.ckpt"),
+            str(tmp_path / "runs" / "lightning_logs" / "version_0" / "metrics.csv"),
+        ]
+    )
+    assert list(home.iterdir()) == []
+    refused = [r.getMessage() for r in caplog.records if r.name == "ray_lightning.home.files"]
+    assert len(refused) == 4 and all("ray_lightning: refused to write" in m for m in refused)
+    assert any(str(home / ".bashrc") in m for m in refused) and any("escape/.profile" in m for m in refused)
+
+
+def test_checkpoints_the_workers_own_callbacks_name_are_written_anywhere(tmp_path, caplog):
+    # configure_callbacks' ModelCheckpoint(dirpath="/data/ckpts") writes where it likes: the files
+    # its state names come back, other files there do not.
+    scope = driver_files.WriteScope.of(pl.Trainer(default_root_dir=str(tmp_path / "runs"), logger=False))
+    elsewhere = tmp_path / "data" / "ckpts"
+    best, last = str(elsewhere / "epoch=1.ckpt"), str(elsewhere / "last.ckpt")
+    state = {"dirpath": str(elsewhere), "best_k_models": {best: 0.1}, "best_model_path": best, "last_model_path": last}
+    claimed = {**state, "best_model_path": str(tmp_path / ".bashrc")}  # not a checkpoint file
+    scope = scope.with_checkpoints([("ModelCheckpoint{...}", state), ("Other", claimed), ("Plain", {"x": 1})])
+    sent = {best: b"1", last: b"2", str(elsewhere / "notes.txt"): b"3", str(tmp_path / ".bashrc"): b"4"}
+    with caplog.at_level("WARNING", logger="ray_lightning.home.files"):
+        assert driver_files.write(sent, scope) == [best, last]
+    assert not (tmp_path / ".bashrc").exists()
+    assert len([r for r in caplog.records if r.name == "ray_lightning.home.files"]) == 2
+
+
+def test_a_staged_checkpoint_state_outside_the_trainers_directories_is_not_loaded(tmp_path, caplog):
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from ray_lightning.home.results import WorkerOutput, apply_to_driver
+
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpts"))
+    trainer = pl.Trainer(callbacks=[checkpoint], logger=False, default_root_dir=str(tmp_path))
+    scope = driver_files.WriteScope.of(trainer)
+    outside = "/etc/ray_lightning-test"
+    state = {"dirpath": outside, "best_k_models": {}, "best_model_path": "", "last_model_path": ""}
+    output = WorkerOutput(global_rank=0, callback_states=[(checkpoint.state_key, state)], staged=True)
+    with caplog.at_level("WARNING", logger="ray_lightning.home.results"):
+        assert apply_to_driver(trainer, output, scope) == []
+    # Its dirpath would have widened the next call's scope.
+    assert checkpoint.dirpath == str(tmp_path / "ckpts")
+    assert "ignored the state of ModelCheckpoint" in caplog.text and outside in caplog.text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections import defaultdict
 
@@ -13,7 +14,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from ray.cluster_utils import Cluster
 
 from ray_lightning import HorovodRayStrategy, RayStrategy
-from tests.models import BoringModel, HorovodRanks, Recorder, read_records
+from tests.models import BoringModel, HorovodRanks, Recorder, StagingMode, read_records
 from tests.test_training import PrepareDataModule
 
 
@@ -41,7 +42,7 @@ def test_ranks_data_and_checkpoints_across_nodes(two_node_cluster, tmp_path):
     trainer = pl.Trainer(
         max_epochs=2,
         strategy=strategy,
-        callbacks=[Recorder(tmp_path), checkpoint],
+        callbacks=[Recorder(tmp_path), checkpoint, StagingMode(tmp_path)],
         logger=False,
         enable_progress_bar=False,
     )
@@ -74,6 +75,8 @@ def test_ranks_data_and_checkpoints_across_nodes(two_node_cluster, tmp_path):
     restored = BoringModel.load_from_checkpoint(checkpoint.best_model_path)
     assert restored.hparams.batch_size == 8
     assert os.path.getsize(checkpoint.best_model_path) > 0
+    # Rank 0 staged its files in a directory only its user can enter.
+    assert json.loads((tmp_path / "staging-mode.json").read_text()) == {"rank": 0, "mode": 0o700}
 
 
 def test_placement_spreads_when_one_node_is_not_enough(two_node_cluster, tmp_path):

@@ -9,6 +9,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
+from ray_lightning.home.files import WriteScope
 from ray_lightning.home.predictions import merge_predictions
 from ray_lightning.home.results import WorkerOutput, apply_to_driver
 from ray_lightning.home.weights import pack_weights, unpack_weights
@@ -75,7 +76,7 @@ def test_checkpoint_files_from_another_node_are_written_on_the_driver(tmp_path):
     }
     output = WorkerOutput(global_rank=0, callback_states=[(checkpoint.state_key, state)], files={best: b"weights"})
 
-    apply_to_driver(trainer, output)
+    apply_to_driver(trainer, output, WriteScope.of(trainer))
 
     assert (remote_dir / "epoch=1.ckpt").read_bytes() == b"weights"
     assert checkpoint.best_model_path == best
@@ -111,5 +112,5 @@ def test_packed_weights_load_into_the_drivers_module():
     trainer = pl.Trainer(logger=False)
     trainer.strategy.connect(module)
     weights = {f"net.{k}": v for k, v in trained.state_dict().items()}
-    apply_to_driver(trainer, WorkerOutput(global_rank=0, weights=pack_weights(weights)))
+    apply_to_driver(trainer, WorkerOutput(global_rank=0, weights=pack_weights(weights)), WriteScope())
     assert torch.equal(driver.weight, trained.weight) and torch.equal(driver.bias, trained.bias)

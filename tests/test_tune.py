@@ -62,6 +62,12 @@ def test_callback_arguments_are_checked_at_once():
         TuneReportCallback(on="validaton_end")
     with pytest.raises(TypeError, match="metrics names must be strings"):
         TuneReportCallback(metrics={"loss": 3})
+    with pytest.raises(TypeError, match=r"metrics takes None .*, a metric name, a list of names or a dict .*got 5"):
+        TuneReportCallback(metrics=5)
+    with pytest.raises(TypeError, match=r"`on` takes a Lightning hook name such as 'validation_end', .*got 5"):
+        TuneReportCallback(on=5)
+    with pytest.raises(TypeError, match=r"`on` takes a Lightning hook name .*got 5"):
+        TuneReportCheckpointCallback(on=5)
     with pytest.raises(ValueError, match="relative file name"):
         TuneReportCheckpointCallback(filename="/abs/checkpoint")
     both = TuneReportCallback("val_loss", on=["train_epoch_end", "on_validation_end"])

@@ -34,6 +34,7 @@ from ray_lightning._lightning.names import (
     is_local_file_protocol,
     is_mock_optimizer,
     load_fit_progress,
+    output_directories,
 )
 from ray_lightning._lightning.strategy import LightningStrategyHooks
 
@@ -51,5 +52,6 @@ __all__ = [
     "is_local_file_protocol",
     "is_mock_optimizer",
     "load_fit_progress",
+    "output_directories",
     "raise_not_converted",
 ]

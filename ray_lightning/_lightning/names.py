@@ -71,6 +71,17 @@ def directory_holders(trainer: pl.Trainer) -> Iterator[tuple[Any, tuple[str, ...
             yield callback, CHECKPOINT_PATHS
 
 
+def output_directories(trainer: pl.Trainer) -> Iterator[str]:
+    """The directories rank 0 writes under: ``default_root_dir``, the loggers' and the checkpoint callbacks'."""
+    for holder, attributes in directory_holders(trainer):
+        for name in attributes:
+            if name in CHECKPOINT_PATHS and name != "dirpath":
+                continue  # files in the directory, not directories
+            value = getattr(holder, name, None)
+            if isinstance(value, (str, os.PathLike)) and os.fspath(value):
+                yield os.fspath(value)
+
+
 def _progress(trainer: pl.Trainer, path: str) -> Any:
     obj: Any = trainer.fit_loop
     for part in path.split("."):

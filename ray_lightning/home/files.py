@@ -8,18 +8,21 @@ Trainer would write under becomes ``<staging>/P``. When the call ends, every fil
 directory is sent back with the results and written at its original path on the driver; if it
 fails, the launcher fetches them from rank 0's node (:func:`fetch_after_failure`), so a crash
 loses no checkpoint. The checkpoint callbacks' state, in the ``.ckpt`` files and sent back, holds
-the driver's paths.
+the driver's paths. The staging directory is private to its user (0700), and the driver writes a
+file only where its Trainer writes (:class:`WriteScope`).
 
 The directory attributes rewritten here are Lightning's (:func:`ray_lightning._lightning.directory_holders`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import stat
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +33,8 @@ from ray_lightning import _lightning
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -67,9 +72,30 @@ def staging_dir(name: str) -> str:
     return os.path.join(tempfile.gettempdir(), name)
 
 
+def make_private_dir(path: str) -> None:
+    """Create directory ``path`` that only this user can enter (mode 0700).
+
+    An existing one is used only if it is a directory of this user's that no one else can enter
+    (in a shared temporary directory, someone else may have made it first).
+    """
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            raise PermissionError(
+                f"ray_lightning's staging directory {path} already exists and is not a private directory of "
+                f"this user (mode {stat.filemode(info.st_mode)}, owner uid {info.st_uid}); refusing to write into it."
+            ) from None
+    os.chmod(path, 0o700)  # the umask may have taken bits away; none are added
+
+
 def stage(trainer: pl.Trainer, staging: str) -> None:
-    """In rank 0 off the driver's machine: write under ``staging`` instead of the driver's paths."""
-    os.makedirs(staging, exist_ok=True)
+    """In rank 0 off the driver's machine: write under ``staging`` instead of the driver's paths.
+
+    ``staging`` is created private to this user (0700): checkpoints and logs are the user's data.
+    """
+    make_private_dir(staging)
     _map_paths(trainer, lambda p: to_staged(p, staging) if os.path.isabs(p) else p)
     for callback in trainer.callbacks:
         if isinstance(callback, ModelCheckpoint):
@@ -142,7 +168,7 @@ def collect_and_remove(name: str) -> dict[str, bytes]:
     return files
 
 
-def fetch_after_failure(area: StagingArea, timeout_s: float) -> list[str]:
+def fetch_after_failure(area: StagingArea, timeout_s: float, scope: WriteScope) -> list[str]:
     """After a failed call: bring what rank 0 staged in ``area`` to the driver; returns the paths written.
 
     Runs as a 0-CPU task on that node, so it needs none of the resources the workers held.
@@ -152,19 +178,81 @@ def fetch_after_failure(area: StagingArea, timeout_s: float) -> list[str]:
     task = ray.remote(num_cpus=0, max_retries=0)(collect_and_remove)
     on_node = NodeAffinitySchedulingStrategy(area.node_id, soft=False)
     files = ray.get(task.options(scheduling_strategy=on_node).remote(area.name), timeout=timeout_s)
-    write(files)
-    return sorted(files)
+    return write(files, scope)
 
 
-def write(files: dict[str, bytes]) -> None:
-    """On the driver: write the files rank 0 sent back at their paths.
+def _resolved(path: str) -> str:
+    """``path`` absolute, normalised (no ``..``) and with every symbolic link in it followed."""
+    return os.path.realpath(os.path.abspath(os.path.expanduser(path)))
 
-    A symbolic link at such a path is replaced, never written through (it may point at another of
-    the driver's files, e.g. the log of an earlier W&B run).
+
+_CHECKPOINT_FILES = ("best_model_path", "last_model_path", "kth_best_model_path")
+
+
+@dataclass(frozen=True)
+class WriteScope:
+    """Where the driver lets the files rank 0 sends back land.
+
+    ``directories``: the Trainer's ``default_root_dir``, the loggers' and the checkpoint callbacks'
+    directories, as the driver had them before the launch (:meth:`of`): every file Lightning
+    writes for these lives under one of them. ``files``: the checkpoint files that checkpoint
+    callbacks the workers added themselves (``configure_callbacks``) name in their state, which
+    may be anywhere (:meth:`with_checkpoints`). Paths are compared after following symbolic links,
+    so neither ``..`` nor a link can lead a write elsewhere (``~/.bashrc``).
     """
+
+    directories: tuple[str, ...] = ()
+    files: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, trainer: pl.Trainer | None, more: Iterable[str] = ()) -> WriteScope:
+        """On the driver, before launching (after :func:`make_absolute`); ``more``: other directories
+        rank 0 writes to (the loggers' stores, :func:`ray_lightning.home.loggers.output_directories`)."""
+        if trainer is None:
+            return cls()
+        found = [*_lightning.output_directories(trainer), *more]
+        return cls(tuple(sorted({_resolved(p) for p in found if _lightning.is_local_file_protocol(p)})))
+
+    def with_checkpoints(self, callback_states: list[tuple[str, dict[str, Any]]]) -> WriteScope:
+        """Also the checkpoint files (``*.ckpt``) named in the workers' checkpoint callbacks' states."""
+        named = set()
+        for _, state in callback_states:
+            if isinstance(state, dict) and "best_k_models" in state and "dirpath" in state:
+                named.update(str(p) for p in state["best_k_models"])
+                named.update(str(state.get(k) or "") for k in _CHECKPOINT_FILES)
+        checkpoints = {_resolved(p) for p in named if p.endswith(ModelCheckpoint.FILE_EXTENSION)}
+        return WriteScope(self.directories, self.files | checkpoints)
+
+    def allows(self, path: str) -> bool:
+        # The directories are followed; a link in the last place is replaced by the write, not followed.
+        resolved = os.path.join(_resolved(os.path.dirname(path) or "."), os.path.basename(path))
+        return resolved in self.files or any(
+            resolved == d or resolved.startswith(d.rstrip(os.sep) + os.sep) for d in self.directories
+        )
+
+
+def write(files: dict[str, bytes], scope: WriteScope) -> list[str]:
+    """On the driver: write the files rank 0 sent back at their paths, where ``scope`` allows; returns those written.
+
+    A file elsewhere is not written: the driver logs a warning naming it. A symbolic link at such a
+    path is replaced, never written through (it may point at another of the driver's files, e.g. the
+    log of an earlier W&B run).
+    """
+    written = []
     for path, data in files.items():
+        if not scope.allows(path):
+            log.warning(
+                "ray_lightning: refused to write %s, sent back by rank 0: it is outside the directories this Trainer "
+                "writes to (default_root_dir, the loggers' and checkpoint callbacks' directories: %s) and no "
+                "checkpoint callback named it as a checkpoint.",
+                path,
+                ", ".join(scope.directories) or "none",
+            )
+            continue
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         if os.path.islink(path):
             os.unlink(path)
         with open(path, "wb") as f:
             f.write(data)
+        written.append(path)
+    return sorted(written)

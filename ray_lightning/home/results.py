@@ -12,6 +12,7 @@ indices (:mod:`.predictions`).
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from ray_lightning import _lightning
 from ray_lightning.home import files, loggers
 from ray_lightning.home.predictions import PredictionRecorder
 from ray_lightning.home.weights import pack_weights, unpack_weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -120,8 +123,12 @@ def _checkpoint_files(trainer: pl.Trainer) -> set[str]:
     return {p for p in paths if p and os.path.isfile(p)}
 
 
-def apply_to_driver(trainer: pl.Trainer, output: WorkerOutput) -> None:
-    """Make the driver's Trainer and module look as if rank 0's run had happened here."""
+def apply_to_driver(trainer: pl.Trainer, output: WorkerOutput, scope: files.WriteScope) -> list[str]:
+    """Make the driver's Trainer and module look as if rank 0's run had happened here.
+
+    ``scope``: where the files rank 0 sent back may be written (:class:`~.files.WriteScope`, made
+    before the launch). Returns the paths of the files written.
+    """
     if output.weights is not None:
         _load_weights(trainer.lightning_module, output.weights)
         output.weights = None  # release the object store's memory
@@ -133,9 +140,10 @@ def apply_to_driver(trainer: pl.Trainer, output: WorkerOutput) -> None:
         target.update(getattr(output, name))
     if output.fit_progress is not None:
         _lightning.load_fit_progress(trainer, output.fit_progress)
-    _load_callback_states(trainer, output)
+    scope = scope.with_checkpoints(output.callback_states)
+    _load_callback_states(trainer, output, scope)
     loggers.load_states(trainer, output.logger_states)
-    files.write(loggers.arriving_files(trainer, output.files))
+    return files.write(loggers.arriving_files(trainer, output.files), scope)
 
 
 def _load_weights(module: pl.LightningModule, packed: dict[str, Any]) -> None:
@@ -151,7 +159,7 @@ def _load_weights(module: pl.LightningModule, packed: dict[str, Any]) -> None:
     module.load_state_dict(weights, strict=False)
 
 
-def _load_callback_states(trainer: pl.Trainer, output: WorkerOutput) -> None:
+def _load_callback_states(trainer: pl.Trainer, output: WorkerOutput, scope: files.WriteScope) -> None:
     remaining = list(output.callback_states)
     for callback in trainer.callbacks:
         match = next((i for i, (key, _) in enumerate(remaining) if key == callback.state_key), None)
@@ -159,14 +167,26 @@ def _load_callback_states(trainer: pl.Trainer, output: WorkerOutput) -> None:
             continue
         state = remaining.pop(match)[1]
         if isinstance(callback, ModelCheckpoint):
-            _load_checkpoint_callback(callback, state, output)
+            _load_checkpoint_callback(callback, state, output, scope)
         else:
             callback.load_state_dict(state)
 
 
-def _load_checkpoint_callback(callback: ModelCheckpoint, state: dict[str, Any], output: WorkerOutput) -> None:
+def _load_checkpoint_callback(
+    callback: ModelCheckpoint, state: dict[str, Any], output: WorkerOutput, scope: files.WriteScope
+) -> None:
+    dirpath = state.get("dirpath", callback.dirpath)
+    if output.staged and dirpath and not scope.allows(str(dirpath)):
+        # The next call's scope starts from this dirpath: it must stay where the Trainer writes.
+        log.warning(
+            "ray_lightning: ignored the state of %s sent back by rank 0: its directory %s is outside those this "
+            "Trainer writes to.",
+            type(callback).__name__,
+            dirpath,
+        )
+        return
     # load_state_dict only restores everything when dirpath matches; the driver never resolved one.
-    callback.dirpath = state.get("dirpath", callback.dirpath)
+    callback.dirpath = dirpath
     callback.current_score = state.get("current_score")
     superseded = {*callback.best_k_models, callback.last_model_path}
     callback.load_state_dict(state)
@@ -175,5 +195,5 @@ def _load_checkpoint_callback(callback: ModelCheckpoint, state: dict[str, Any], 
         # earlier calls' files never were: remove them here, as Lightning would have.
         kept = {*callback.best_k_models, callback.best_model_path, callback.last_model_path}
         for path in superseded - kept - set(output.files):
-            if path and os.path.isfile(path):
+            if path and os.path.isfile(path) and scope.allows(path):
                 os.remove(path)

@@ -138,7 +138,8 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         self._failed = False
         self.set_world_ranks()
         runtime.mark_progress("rendezvous", "hvd.init", startup=True)
-        hvd = init_horovod(ray.util.get_node_ip_address())
+        assert self._worker is not None
+        hvd = init_horovod(ray.util.get_node_ip_address(), across_machines=self._worker.num_machines > 1)
         if (hvd.rank(), hvd.size()) != (self.global_rank, self.world_size):
             raise RuntimeError(
                 f"Horovod started as rank {hvd.rank()} of {hvd.size()}, but ray_lightning placed this worker as "

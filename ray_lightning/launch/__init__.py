@@ -12,6 +12,7 @@ Where things are:
 * :mod:`.contexts`: each worker's rank, device and environment, from where the actors landed
   (ranks themselves: :mod:`ray_lightning.environment`).
 * :mod:`.rendezvous`: how the workers meet (torch's TCPStore; Horovod's is in ``ray_lightning.horovod``).
+* :mod:`.network`: the address and interface every listener of a fit binds (the node IP, never all).
 * :mod:`.poll`: waiting for the workers without polling; a failure is raised with its rank.
 * :mod:`.payload`: the Trainer, module and arguments sent once; the ``ckpt_path`` file.
 * :mod:`.idle_pool`: workers kept alive for the next call of the process.

@@ -107,6 +107,11 @@ class WorkerCall:
 
         if self._strategy is not None:
             self._strategy.detach_worker()
+        # Rank 0's rendezvous stops listening now, not when the process ends (Horovod's server
+        # thread would keep its socket open for good).
+        close = getattr(self._store, "close", None)
+        if close is not None:
+            close()
         self._strategy = self._store = None
         os.environ.clear()
         os.environ.update(self._saved_environment)

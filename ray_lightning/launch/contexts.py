@@ -83,6 +83,7 @@ def build_contexts(
             checkpoint_file=local_checkpoint if info.node_id == driver_node else remote_checkpoint,
             progress_interval_s=call.progress_interval_s,
             output_marker=call.marker_of(rank.global_rank),
+            num_machines=len({i.node_ip for i in infos}),
         )
         for rank, info, (visible, index) in zip(ranks, infos, devices)
     ]

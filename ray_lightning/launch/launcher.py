@@ -42,7 +42,7 @@ from ray_lightning.launch.contexts import (
     nodes_by_rank,
     progress_interval,
 )
-from ray_lightning.launch.payload import checkpoint_argument, checkpoint_files, put_payload
+from ray_lightning.launch.payload import check_checkpoint_exists, checkpoint_argument, checkpoint_files, put_payload
 from ray_lightning.launch.placement import OwnPlacement, TrialPlacement, alive_node_resources, check_cluster_can_hold
 from ray_lightning.launch.protocol import LaunchedStrategy
 from ray_lightning.launch.session import driver_node_id, ensure_ray_initialized
@@ -69,6 +69,7 @@ class RayLauncher(_lightning.Launcher):
         self._group: WorkerGroup | None = None
         # Where rank 0 stages its files while a call whose rank 0 is off the driver's machine runs.
         self._staging: files.StagingArea | None = None
+        self._scope = files.WriteScope()
         # Files the last launch copied from rank 0's node onto the driver's machine.
         self.transferred_files: list[str] = []
 
@@ -82,10 +83,13 @@ class RayLauncher(_lightning.Launcher):
         if trainer is not None:
             self._strategy.check_trainer(trainer)
         ensure_ray_initialized()
+        check_checkpoint_exists(function, args, kwargs)
         if trainer is not None:
             _fix_output_locations(trainer)
-        payload = put_payload(trainer, function, args, kwargs)
+        # Where the files rank 0 sends back may land, as the driver has it now.
+        self._scope = files.WriteScope.of(trainer, loggers.output_directories(trainer) if trainer else ())
         checkpoint = checkpoint_argument(function, args, kwargs, trainer)
+        payload = put_payload(trainer, function, args, kwargs)
         group = self._acquire_group()
         outputs = self._run(group, payload, checkpoint)
         return self._bring_home(outputs, trainer)
@@ -165,8 +169,7 @@ class RayLauncher(_lightning.Launcher):
         rank_zero = next(o for o in outputs if o is not None and o.trainer_state is not None)
         if trainer is None:
             return rank_zero.results
-        apply_to_driver(trainer, rank_zero)
-        self.transferred_files = sorted(rank_zero.files)
+        self.transferred_files = apply_to_driver(trainer, rank_zero, self._scope)
         if self.transferred_files:
             log.info("ray_lightning: copied %s from rank 0's node to this machine", ", ".join(self.transferred_files))
         if trainer.state.fn == TrainerFn.PREDICTING:
@@ -181,7 +184,7 @@ class RayLauncher(_lightning.Launcher):
         assert self._staging is not None
         area, self._staging = self._staging, None
         try:
-            written = files.fetch_after_failure(area, self._strategy.worker_start_timeout_s)
+            written = files.fetch_after_failure(area, self._strategy.worker_start_timeout_s, self._scope)
         except Exception as error:  # noqa: BLE001 - the node may be gone; the failure itself is what matters
             log.warning("ray_lightning: could not fetch the files rank 0 wrote before the failure: %s", error)
             return

@@ -15,10 +15,63 @@ from typing import TYPE_CHECKING, Any
 import ray
 from pytorch_lightning.callbacks import ModelCheckpoint
 
+from ray_lightning import _lightning
+from ray_lightning.config import REUSE_CHECK_TIMEOUT_S as _PROBE_TIMEOUT_S
+from ray_lightning.launch.session import driver_node_id
 from ray_lightning.runtime import CheckpointFile
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
+
+
+def _given_checkpoint(function: Callable, args: tuple, kwargs: dict) -> Any:
+    try:
+        return inspect.signature(function).bind_partial(*args, **kwargs).arguments.get("ckpt_path")
+    except (TypeError, ValueError):
+        return None
+
+
+def _names_a_checkpoint(path: str) -> bool:
+    """Lightning's own ``ckpt_path`` names, resolved by the Trainer: best, last, hpc, registry[:...]."""
+    lowered = path.lower()
+    return path in ("best", "last", "hpc") or lowered == "registry" or lowered.startswith("registry:")
+
+
+def check_checkpoint_exists(function: Callable, args: tuple, kwargs: dict) -> None:
+    """Refuse, before any worker starts, a ``ckpt_path`` file that exists nowhere.
+
+    Remote URLs (``s3://...``) and Lightning's named checkpoints are left to Lightning. A path
+    missing here may still be on a node of the cluster (its local disk, a mount the driver lacks):
+    a 0-CPU task on each node looks there; only when no node has it is the path refused.
+    """
+    path = _given_checkpoint(function, args, kwargs)
+    if not isinstance(path, (str, os.PathLike)):
+        return
+    path = os.fspath(path)
+    if _names_a_checkpoint(path) or not _lightning.is_local_file_protocol(path) or os.path.exists(path):
+        return
+    if _exists_on_a_node(path):
+        return
+    raise FileNotFoundError(
+        f"ckpt_path={path!r} exists neither on this machine nor on any node of the Ray cluster. Pass the path of an "
+        "existing checkpoint, a remote URL (s3://...), or 'best'/'last' for the checkpoint callback's."
+    )
+
+
+def _exists_on_a_node(path: str) -> bool:
+    """Whether ``path`` exists on some alive node other than this process's (True when that cannot be told)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = driver_node_id()
+    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != here]
+    if not nodes:
+        return False
+    probe = ray.remote(num_cpus=0, max_retries=0)(os.path.exists)
+    on = [NodeAffinitySchedulingStrategy(node, soft=False) for node in nodes]
+    try:
+        return any(ray.get([probe.options(scheduling_strategy=s).remote(path) for s in on], timeout=_PROBE_TIMEOUT_S))
+    except Exception:  # noqa: BLE001 - a node that cannot answer: let Lightning in the workers decide
+        return True
 
 
 def checkpoint_argument(function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer | None) -> str | None:
@@ -27,10 +80,7 @@ def checkpoint_argument(function: Callable, args: tuple, kwargs: dict, trainer: 
     ``"best"``/``"last"`` name the checkpoint callback's file, which is on this machine (copied
     back from rank 0's node), not necessarily on the workers' machines.
     """
-    try:
-        path = inspect.signature(function).bind_partial(*args, **kwargs).arguments.get("ckpt_path")
-    except (TypeError, ValueError):
-        return None
+    path = _given_checkpoint(function, args, kwargs)
     callback = trainer.checkpoint_callback if trainer is not None else None
     if path in ("best", "last") and isinstance(callback, ModelCheckpoint):
         path = callback.best_model_path if path == "best" else callback.last_model_path

@@ -18,7 +18,7 @@ import ray
 from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-from ray_lightning.config import WorkerResources, describe_totals, fmt_amount
+from ray_lightning.config import WorkerResources, describe_totals, fmt_amount, fmt_resource
 from ray_lightning.errors import ClusterResourceError
 
 # A Tune trial's placement group: bundle 0 holds the trial's own process, which only waits for its
@@ -48,7 +48,40 @@ def check_cluster_can_hold(request: WorkerResources, nodes: list[dict[str, float
         for name, amount in node.items():
             totals[name] = totals.get(name, 0.0) + amount
     bundle = request.bundle()
+    _check_kinds(bundle, totals)
+    # Memory is shown (in GiB...) when the request asks for it: it may be what blocks it.
+    asks_memory = "memory" in bundle
 
+    def describe(resources: dict[str, float]) -> str:
+        return describe_totals(resources, memory=asks_memory)
+
+    if not any(all(node.get(k, 0) >= v for k, v in bundle.items()) for node in nodes):
+        raise ClusterResourceError(
+            f"No single node can hold one worker {describe(bundle)}; "
+            f"the nodes have: {'; '.join(describe(n) for n in nodes)}. "
+            "Ask for fewer resources per worker."
+        )
+    if request.num_hosts:
+        per_host = {k: v * request.workers_per_host for k, v in bundle.items()}
+        fitting = sum(all(node.get(k, 0) >= v for k, v in per_host.items()) for node in nodes)
+        if fitting < request.num_hosts:
+            raise ClusterResourceError(
+                f"Asked for {request.describe()}: {request.num_hosts} different nodes that each hold "
+                f"{describe(per_host)}, but only {fitting} of the cluster's {len(nodes)} node(s) can "
+                f"(the nodes have: {'; '.join(describe(n) for n in nodes)}). "
+                "Use fewer hosts or slots, or num_workers to let Ray pack the workers."
+            )
+    for name, amount in bundle.items():
+        if amount * request.num_workers > totals.get(name, 0) + 1e-9:
+            raise ClusterResourceError(
+                f"Asked for {request.describe()} = {fmt_resource(name, amount * request.num_workers)} {name} in all, "
+                f"but the whole Ray cluster has {fmt_resource(name, totals.get(name, 0))} {name} "
+                f"({describe(totals)}). Use fewer workers or fewer resources per worker."
+            )
+
+
+def _check_kinds(bundle: dict[str, float], totals: dict[str, float]) -> None:
+    """Every resource the request names exists somewhere in the cluster (GPUs, custom resources)."""
     for name, amount in bundle.items():
         if name == "GPU" and totals.get("GPU", 0) == 0:
             raise ClusterResourceError(
@@ -63,30 +96,6 @@ def check_cluster_can_hold(request: WorkerResources, nodes: list[dict[str, float
             raise ClusterResourceError(
                 f"resources_per_worker asks for {name!r}, which no node in the Ray cluster has.{hint} "
                 f"The cluster has: {', '.join(known)}."
-            )
-
-    if not any(all(node.get(k, 0) >= v for k, v in bundle.items()) for node in nodes):
-        raise ClusterResourceError(
-            f"No single node can hold one worker {describe_totals(bundle)}; "
-            f"the nodes have: {'; '.join(describe_totals(n) for n in nodes)}. "
-            "Ask for fewer resources per worker."
-        )
-    if request.num_hosts:
-        per_host = {k: v * request.workers_per_host for k, v in bundle.items()}
-        fitting = sum(all(node.get(k, 0) >= v for k, v in per_host.items()) for node in nodes)
-        if fitting < request.num_hosts:
-            raise ClusterResourceError(
-                f"Asked for {request.describe()}: {request.num_hosts} different nodes that each hold "
-                f"{describe_totals(per_host)}, but only {fitting} of the cluster's {len(nodes)} node(s) can "
-                f"(the nodes have: {'; '.join(describe_totals(n) for n in nodes)}). "
-                "Use fewer hosts or slots, or num_workers to let Ray pack the workers."
-            )
-    for name, amount in bundle.items():
-        if amount * request.num_workers > totals.get(name, 0) + 1e-9:
-            raise ClusterResourceError(
-                f"Asked for {request.describe()} = {fmt_amount(amount * request.num_workers)} {name} in all, "
-                f"but the whole Ray cluster has {fmt_amount(totals.get(name, 0))} {name} "
-                f"({describe_totals(totals)}). Use fewer workers or fewer resources per worker."
             )
 
 
@@ -118,10 +127,11 @@ class OwnPlacement(Placement):
             ray.get(pg.ready(), timeout=timeout_s)
         except GetTimeoutError:
             remove_placement_group(pg)
+            memory = "memory" in request.bundle()
             raise ClusterResourceError(
                 f"Could not reserve {request.describe()} within {timeout_s:g} s "
-                f"(placement_timeout_s). The cluster has {describe_totals(ray.cluster_resources())}, "
-                f"of which {describe_totals(ray.available_resources())} are free now; other jobs or "
+                f"(placement_timeout_s). The cluster has {describe_totals(ray.cluster_resources(), memory)}, "
+                f"of which {describe_totals(ray.available_resources(), memory)} are free now; other jobs or "
                 "trials may hold the rest. Use fewer workers, wait for them to finish, or raise "
                 "placement_timeout_s."
             ) from None

@@ -13,14 +13,17 @@ They serve two purposes:
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
 from pytorch_lightning.accelerators import Accelerator, AcceleratorRegistry, CPUAccelerator, CUDAAccelerator
 from pytorch_lightning.strategies import StrategyRegistry
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from ray_lightning import _lightning, runtime
+from ray_lightning.config import check_keywords
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -45,6 +48,8 @@ class RayAccelerator(Accelerator):
 
     # The name of the strategy this accelerator stands for, in Lightning's StrategyRegistry.
     strategy_name = "ray"
+    # Strategy arguments this accelerator takes under another name.
+    renamed = {"num_cpus_per_worker": "cpus_per_worker"}
 
     def __init__(
         self,
@@ -55,6 +60,10 @@ class RayAccelerator(Accelerator):
     ) -> None:
         _lightning.ensure_installed()
         super().__init__()
+        for theirs, ours in self.renamed.items():
+            if theirs in strategy_kwargs:
+                value = strategy_kwargs[theirs]
+                raise TypeError(f"{type(self).__name__} calls {theirs} {ours}: write {ours}={value!r}.")
         self._strategy_kwargs = dict(
             num_workers=num_workers, num_cpus_per_worker=cpus_per_worker, use_gpu=use_gpu, **strategy_kwargs
         )
@@ -69,7 +78,17 @@ class RayAccelerator(Accelerator):
     def make_strategy(self) -> Any:
         """The strategy this accelerator stands for (built once)."""
         if self._strategy is None:
-            self._strategy = self.strategy_class()(**self._strategy_kwargs)
+            cls = self.strategy_class()
+            accepted = getattr(cls, "accepted_keywords", None)
+            if accepted is not None:
+                own = set(inspect.signature(type(self).__init__).parameters) - {"self", "strategy_kwargs"}
+                check_keywords(
+                    type(self).__name__,
+                    set(self._strategy_kwargs) - set(self.renamed),
+                    (accepted() - set(self.renamed)) | own,
+                    f"its own arguments and {cls.__name__}'s",
+                )
+            self._strategy = cls(**self._strategy_kwargs)
             self._strategy.accelerator = self
         return self._strategy
 
@@ -119,7 +138,14 @@ class RayAccelerator(Accelerator):
     @staticmethod
     @override
     def parse_devices(devices: Any) -> Any:
-        # The number of workers decides the devices; `Trainer(devices=...)` has no say.
+        # The number of workers decides the devices; `Trainer(devices=...)` has no say. Lightning
+        # turns the default "auto" into auto_device_count() (1) before asking, so 1 cannot warn.
+        if devices not in (1, "1", "auto"):
+            rank_zero_warn(
+                f"Trainer(devices={devices!r}) is ignored: ray_lightning trains one process per Ray worker, each "
+                "on the device Ray reserves for it. Set how many with num_workers (RayStrategy, RayAccelerator, "
+                "HorovodRayStrategy) or num_hosts x num_slots (Horovod), and GPUs with use_gpu or resources_per_worker."
+            )
         return devices
 
     @staticmethod

@@ -3,26 +3,87 @@
 Lightning's own DDP does the training work (wrapping the model, reducing gradients, collectives);
 this class only changes where processes come from (:class:`~ray_lightning.launch.launcher.RayLauncher`),
 where ranks come from (:class:`~ray_lightning.environment.RayEnvironment`) and how the process
-group meets (a TCPStore opened by rank 0 on an OS-chosen port).
+group meets (a TCPStore opened by rank 0 on its node IP and an OS-chosen port; gloo's listeners on
+each worker's node IP interface).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
+import ray
 from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from typing_extensions import override
 
 from ray_lightning import _lightning, runtime
-from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, resolve_worker_resources
+from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, WorkerResources, check_keywords, resolve_worker_resources
 from ray_lightning.environment import RayEnvironment
+from ray_lightning.launch.network import interface_for, listener_environment
 from ray_lightning.strategies.workers import RayWorkersMixin
 
-# DDPStrategy arguments that RayStrategy decides itself.
-_RESERVED = ("accelerator", "parallel_devices", "cluster_environment", "start_method", "checkpoint_io")
+# Arguments of DDPStrategy and DistributedDataParallel that RayStrategy (or Lightning in the
+# worker) decides, and why.
+_DECIDED = {
+    "accelerator": "from the GPUs the workers reserve",
+    "parallel_devices": "from the GPUs the workers reserve",
+    "cluster_environment": "from where Ray placed the workers",
+    "start_method": "Ray starts the processes",
+    "checkpoint_io": "from Trainer(plugins=[...])",
+    "module": "Lightning wraps the LightningModule",
+    "device_ids": "each worker's device",
+    "process_group": "process groups exist only in the workers; choose its backend with process_group_backend",
+    "device_mesh": "process groups exist only in the workers",
+}
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def _parameter_names(function: Callable) -> set[str]:
+    parameters = inspect.signature(function).parameters
+    return {n for n, p in parameters.items() if p.kind in _NAMED and n != "self"}
+
+
+@functools.cache
+def ddp_keywords() -> frozenset[str]:
+    """What ``**ddp_kwargs`` may hold: the installed DDPStrategy's and DistributedDataParallel's arguments."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = _parameter_names(DDPStrategy.__init__) | _parameter_names(DistributedDataParallel.__init__)
+    return frozenset(names - set(_DECIDED))
+
+
+def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any], resources: WorkerResources) -> None:
+    """Refuse, here on the driver, what would otherwise fail in every worker once they started."""
+    decided = sorted(set(_DECIDED) & set(ddp_kwargs))
+    if decided:
+        reasons = "; ".join(f"{name} itself ({_DECIDED[name]})" for name in decided)
+        raise TypeError(f"RayStrategy sets {reasons}; do not pass {', '.join(decided)}.")
+    check_keywords(
+        "RayStrategy",
+        ddp_kwargs,
+        RayStrategy.accepted_keywords(),
+        "its own arguments and those of Lightning's DDPStrategy and torch's DistributedDataParallel",
+    )
+    timeout = ddp_kwargs.get("timeout")
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"timeout (the process group's) must be a datetime.timedelta, e.g. timeout=timedelta(seconds=30), "
+            f"got {timeout!r}."
+        )
+    backend = ddp_kwargs.get("process_group_backend")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"process_group_backend must be a name such as 'gloo' or 'nccl', got {backend!r}.")
+    if backend is not None and backend.lower() == "nccl" and not resources.use_gpu:
+        raise ValueError(
+            f"process_group_backend='nccl' needs GPUs, but the workers reserve none ({resources.describe()}). "
+            "Use process_group_backend='gloo' (or leave it out), or reserve GPUs with use_gpu=True or "
+            "resources_per_worker={'GPU': 1}."
+        )
 
 
 class RayStrategy(RayWorkersMixin, DDPStrategy):
@@ -77,11 +138,10 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
         progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
         **ddp_kwargs: Any,
     ) -> None:
-        reserved = sorted(set(_RESERVED) & set(ddp_kwargs))
-        if reserved:
-            raise TypeError(f"RayStrategy sets {', '.join(reserved)} itself; do not pass them.")
+        resources = resolve_worker_resources(num_workers, num_cpus_per_worker, use_gpu, resources_per_worker)
+        _check_ddp_kwargs(ddp_kwargs, resources)
         self._init_workers(
-            resolve_worker_resources(num_workers, num_cpus_per_worker, use_gpu, resources_per_worker),
+            resources,
             init_hook,
             placement_timeout_s,
             worker_start_timeout_s,
@@ -98,6 +158,11 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
             start_method="popen",
             **ddp_kwargs,
         )
+
+    @classmethod
+    @override
+    def accepted_keywords(cls) -> set[str]:
+        return super().accepted_keywords() | ddp_keywords()
 
     @override
     def worker_process_group_backend(self) -> str:
@@ -116,6 +181,10 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
         self.set_world_ranks()
         backend = self.worker_process_group_backend()
         self.use_process_group_backend(backend)
+        # gloo's (and NCCL's bootstrap) listeners bind this node's IP; the call's environment is
+        # restored when it ends.
+        interface = interface_for(ray.util.get_node_ip_address())
+        os.environ.update(listener_environment(backend, interface, os.environ))
         store = self._rendezvous_store
         if store is None:
             from torch.distributed import TCPStore

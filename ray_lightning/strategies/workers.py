@@ -11,6 +11,7 @@ private hooks it needs are overridden in :class:`~ray_lightning._lightning.Light
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from ray_lightning._lightning import LightningStrategyHooks
-from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, WorkerResources, WorkerTimeouts
+from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, WorkerResources, WorkerTimeouts, check_init_hook
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.launch.launcher import RayLauncher
 from ray_lightning.launch.rendezvous import Rendezvous, TorchStoreRendezvous
@@ -49,8 +50,7 @@ class RayWorkersMixin(LightningStrategyHooks):
         progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
     ) -> None:
         """Validate and keep the worker description; call before the Lightning strategy's ``__init__``."""
-        if init_hook is not None and not callable(init_hook):
-            raise TypeError(f"init_hook must be a function taking no arguments, got {init_hook!r}.")
+        check_init_hook(init_hook)
         timeouts = WorkerTimeouts.resolve(
             placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s, progress_timeout_s
         )
@@ -62,6 +62,13 @@ class RayWorkersMixin(LightningStrategyHooks):
         self.progress_timeout_s = timeouts.progress_s
         self._worker: WorkerContext | None = None
         self._rendezvous_store: Any = None
+
+    @classmethod
+    def accepted_keywords(cls) -> set[str]:
+        """The keyword arguments this strategy's constructor takes (``RayAccelerator`` checks its own against them)."""
+        parameters = inspect.signature(cls.__init__).parameters.items()
+        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return {name for name, p in parameters if p.kind in named and name != "self"}
 
     # -- configuration seen on the driver --------------------------------------------------------
 

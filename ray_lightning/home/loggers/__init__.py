@@ -133,6 +133,18 @@ def load_states(trainer: pl.Trainer, states: list[dict[str, Any]]) -> None:
         lightning.load_state_for_driver(logger, state)
 
 
+def output_directories(trainer: pl.Trainer) -> list[str]:
+    """On the driver: where rank 0's loggers keep files besides their log directories (MLflow's local
+    store, Comet's offline directory), so the driver lets them land there."""
+    found = []
+    for logger in trainer.loggers:
+        if isinstance(logger, MLFlowLogger):
+            found.append(mlflow_store.local_store(lightning.mlflow_tracking_uri(logger)))
+        elif isinstance(logger, CometLogger):
+            found.append(getattr(lightning.comet_config(logger), "offline_directory", None))
+    return [d for d in found if d]
+
+
 def arriving_files(trainer: pl.Trainer, arriving: dict[str, bytes]) -> dict[str, bytes]:
     """On the driver: rank 0's staged files, a W&B run directory the driver already has renamed."""
     for logger in trainer.loggers:
