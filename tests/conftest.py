@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import ray
+from ray.cluster_utils import Cluster
 
 # More logical CPUs than this machine has: the tests start several 1-CPU workers at once.
 SESSION_CPUS = 8
@@ -31,6 +33,24 @@ def ray_local():
             runtime_env=runtime_env,
         )
     yield ray
+
+
+@contextlib.contextmanager
+def connected_cluster(*worker_nodes: dict) -> Iterator[Cluster]:
+    """This process connected to a new ``ray.cluster_utils.Cluster``: a 1-CPU head (the driver's node)
+    and one node per ``add_node`` keyword dict; shut down afterwards (the session's local Ray
+    starts again on the next ``ray_local``)."""
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for node in worker_nodes:
+        cluster.add_node(**node)
+    try:
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:

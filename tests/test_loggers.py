@@ -16,11 +16,10 @@ import zipfile
 
 import pytest
 import pytorch_lightning as pl
-import ray
 from pytorch_lightning.callbacks import ModelCheckpoint
-from ray.cluster_utils import Cluster
 
 from ray_lightning import HorovodRayStrategy, RayAccelerator, RayStrategy
+from tests.conftest import connected_cluster
 from tests.models import BoringModel
 from tests.wandb_records import offline_runs
 
@@ -246,16 +245,8 @@ def test_comet_offline_archive_of_rank_zero_lands_on_the_driver(ray_local, tmp_p
 @pytest.fixture(scope="module")
 def cluster_without_driver_slots():
     """The driver's node (no worker slots) and one other node with two."""
-    ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=2, resources={"worker_slot": 2})
-    try:
-        ray.init(address=cluster.address)
-        cluster.wait_for_nodes()
+    with connected_cluster({"num_cpus": 2, "resources": {"worker_slot": 2}}) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def test_wandb_and_mlflow_runs_of_rank_zero_on_another_node_land_on_the_driver(

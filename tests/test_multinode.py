@@ -11,9 +11,9 @@ import pytorch_lightning as pl
 import ray
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
-from ray.cluster_utils import Cluster
 
 from ray_lightning import HorovodRayStrategy, RayStrategy
+from tests.conftest import connected_cluster
 from tests.models import BoringModel, HorovodRanks, Recorder, StagingMode, read_records
 from tests.test_training import PrepareDataModule
 
@@ -21,17 +21,9 @@ from tests.test_training import PrepareDataModule
 @pytest.fixture(scope="module")
 def two_node_cluster():
     """A head node the driver runs on (no worker slots) and two nodes with two worker slots each."""
-    ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    for name in ("node_a", "node_b"):
-        cluster.add_node(num_cpus=2, resources={"worker_slot": 2, name: 1})
-    try:
-        ray.init(address=cluster.address)
-        cluster.wait_for_nodes()
+    nodes = ({"num_cpus": 2, "resources": {"worker_slot": 2, name: 1}} for name in ("node_a", "node_b"))
+    with connected_cluster(*nodes) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def test_ranks_data_and_checkpoints_across_nodes(two_node_cluster, tmp_path):
