@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import pytorch_lightning as pl
+from pytorch_lightning.callbacks import TQDMProgressBar
 from tqdm import tqdm
 
 from ray_lightning import RayStrategy
@@ -106,7 +107,14 @@ def test_rank_zeros_bar_states_go_to_the_driver(monkeypatch):
 
 @pytest.mark.usefixtures("ray_local")
 def test_a_fit_shows_rank_zeros_bar_on_the_drivers_console(capsys):
-    trainer = pl.Trainer(max_epochs=1, strategy=RayStrategy(num_workers=2), logger=False, enable_checkpointing=False)
+    # Lightning's default bar is RichProgressBar where `rich` is installed; the driver draws tqdm's.
+    trainer = pl.Trainer(
+        max_epochs=1,
+        strategy=RayStrategy(num_workers=2),
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[TQDMProgressBar()],
+    )
     trainer.fit(BoringModel())
     lines = capsys.readouterr().out.splitlines()
     # Ray prefixes what it forwards from a worker with "(rank N pid=...)"; these come from the driver.

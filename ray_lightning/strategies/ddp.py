@@ -57,8 +57,13 @@ def ddp_keywords() -> frozenset[str]:
     return frozenset(names - set(_DECIDED))
 
 
-def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any], resources: WorkerResources) -> None:
-    """Refuse, here on the driver, what would otherwise fail in every worker once they started."""
+def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any], resources: WorkerResources) -> dict[str, Any]:
+    """Refuse, here on the driver, what would otherwise fail in every worker once they started.
+
+    Returns the arguments to pass on: those RayStrategy decides are dropped when they are None
+    (LightningCLI/jsonargparse passes every DDP argument with its default, ``process_group=None``...).
+    """
+    ddp_kwargs = {k: v for k, v in ddp_kwargs.items() if not (k in _DECIDED and v is None)}
     decided = sorted(set(_DECIDED) & set(ddp_kwargs))
     if decided:
         reasons = "; ".join(f"{name} itself ({_DECIDED[name]})" for name in decided)
@@ -84,6 +89,7 @@ def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any], resources: WorkerResources)
             "Use process_group_backend='gloo' (or leave it out), or reserve GPUs with use_gpu=True or "
             "resources_per_worker={'GPU': 1}."
         )
+    return ddp_kwargs
 
 
 class RayStrategy(RayWorkersMixin, DDPStrategy):
@@ -139,7 +145,7 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
         **ddp_kwargs: Any,
     ) -> None:
         resources = resolve_worker_resources(num_workers, num_cpus_per_worker, use_gpu, resources_per_worker)
-        _check_ddp_kwargs(ddp_kwargs, resources)
+        ddp_kwargs = _check_ddp_kwargs(ddp_kwargs, resources)
         self._init_workers(
             resources,
             init_hook,
