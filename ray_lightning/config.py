@@ -31,14 +31,13 @@ DEFAULT_WORKER_START_TIMEOUT_S = 300.0
 DEFAULT_KEEP_WORKERS_ALIVE_S = 60.0
 
 
-class _Unset(float):
-    """A default argument that shows as its number (docs, LightningCLI) but yields to the environment variable."""
-
-
 # 15 minutes: longer than any one batch or evaluation step of a real workload, shorter than the
 # 30 minutes after which torch.distributed's own timeout fails with an error that blames rank 0.
-# Long prepare_data() downloads or setup() need more; None switches the watchdog off.
-DEFAULT_PROGRESS_TIMEOUT_S = _Unset(900.0)
+# Long prepare_data() downloads or setup() need more; None switches the watchdog off. This very
+# object is the argument's default: only when the argument *is* it (not merely equal) does
+# RAY_LIGHTNING_PROGRESS_TIMEOUT_S apply, since None already means "off". A plain float, so
+# LightningCLI's --print_config can write it.
+DEFAULT_PROGRESS_TIMEOUT_S: float = float("900")
 _OFF = ("none", "off", "")
 
 # Environment variables of the driver that Lightning reads in the workers (seed, deterministic flags),
@@ -86,7 +85,7 @@ def _seconds(name: str, value: Any, env: str, default: float, zero_ok: bool = Fa
 
 
 def _progress_seconds(value: float | None) -> float | None:
-    if isinstance(value, _Unset):
+    if value is DEFAULT_PROGRESS_TIMEOUT_S:
         text = os.environ.get(PROGRESS_TIMEOUT_ENV)
         if text is None:
             return float(value)

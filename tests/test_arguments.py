@@ -319,3 +319,19 @@ def test_per_worker_resources_read_back_as_in_ray_lightning_0_3():
     assert (horovod.num_cpus_per_worker, horovod.num_gpus_per_worker) == (4.0, 0.0)
     with pytest.raises(AttributeError):
         strategy.num_cpus_per_worker = 8  # read-only: the resources are fixed at construction
+
+
+def test_progress_timeout_from_argument_environment_or_default(monkeypatch):
+    monkeypatch.delenv("RAY_LIGHTNING_PROGRESS_TIMEOUT_S", raising=False)
+    assert RayStrategy().progress_timeout_s == 900.0
+    assert RayStrategy(progress_timeout_s=None).progress_timeout_s is None  # None switches the watchdog off
+    monkeypatch.setenv("RAY_LIGHTNING_PROGRESS_TIMEOUT_S", "120")
+    assert RayStrategy().progress_timeout_s == 120.0
+    assert RayStrategy(progress_timeout_s=900.0).progress_timeout_s == 900.0  # a given value wins
+    monkeypatch.setenv("RAY_LIGHTNING_PROGRESS_TIMEOUT_S", "none")
+    assert RayAccelerator(num_workers=2).make_strategy().progress_timeout_s is None
+    monkeypatch.setenv("RAY_LIGHTNING_PROGRESS_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="RAY_LIGHTNING_PROGRESS_TIMEOUT_S='soon'"):
+        RayStrategy()
+    with pytest.raises(ValueError, match="progress_timeout_s must be a positive number"):
+        RayStrategy(progress_timeout_s=0)
