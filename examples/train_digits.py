@@ -16,7 +16,7 @@ import argparse
 import numpy as np
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import ModelCheckpoint, TQDMProgressBar
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -95,7 +95,9 @@ def main() -> None:
     else:
         ray_kwargs = dict(strategy=RayStrategy(num_workers=args.num_workers, use_gpu=args.use_gpu))
     print(f"Training with {type(ray_kwargs.get('strategy') or ray_kwargs['accelerator']).__name__}")
-    trainer = pl.Trainer(max_epochs=args.max_epochs, callbacks=[checkpoint], **ray_kwargs)
+    # TQDMProgressBar: the bar the driver draws live (where `rich` is installed, Lightning's default
+    # RichProgressBar would only print its final state from the worker).
+    trainer = pl.Trainer(max_epochs=args.max_epochs, callbacks=[checkpoint, TQDMProgressBar()], **ray_kwargs)
     trainer.fit(model, datamodule=DigitsDataModule())
 
     # Everything below ran on the workers and came back to this process.
