@@ -40,7 +40,8 @@ from tests.models import BoringModel
             TypeError,
             r"RayStrategy sets device_ids itself \(each worker's device\); do not pass device_ids",
         ),
-        ({"process_group": None}, TypeError, "process groups exist only in the workers"),
+        ({"process_group": object()}, TypeError, "process groups exist only in the workers"),
+        ({"device_mesh": "mesh"}, TypeError, "process groups exist only in the workers"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, error, message):
@@ -306,6 +307,12 @@ def test_worker_error_survives_pickling_and_copying():
     for clone in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
         assert isinstance(clone, RayWorkerError)
         assert (str(clone), clone.rank) == (str(error), 3)
+
+
+def test_arguments_ray_strategy_decides_may_be_given_as_none():
+    # LightningCLI passes every DDP argument it finds with its default: process_group=None, device_mesh=None.
+    strategy = RayStrategy(num_workers=2, process_group=None, device_mesh=None, static_graph=True)
+    assert strategy._ddp_kwargs == {"static_graph": True}
 
 
 def test_per_worker_resources_read_back_as_in_ray_lightning_0_3():
