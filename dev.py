@@ -4,12 +4,21 @@
     python3 dev.py example   # train the main example on 2 Ray workers, print the metrics that came back
     python3 dev.py test      # run the whole test suite (extra arguments go to pytest)
     python3 dev.py bench     # run the benchmarks (benchmarks/README.md; extra arguments go to it)
+    python3 dev.py matrix    # the smoke tests on every corner of the supported version window (README table)
 
 Extra arguments go to the example script or to pytest (`python3 dev.py example --horovod`);
 `python3 dev.py example --tune` runs the Ray Tune example (examples/tune_digits.py) instead.
 
 Each creates `.venv/` in the checkout on first use, installs what it needs into it, and reuses it
 afterwards. torch is installed as the CPU build unless an NVIDIA GPU is visible (`nvidia-smi`).
+
+`example --lightning` and `example --tune --lightning` run the examples with `import lightning.pytorch`
+instead of `pytorch_lightning` (both are installed in `.venv/`).
+
+`matrix` keeps one venv per combination of the version window (MATRIX below) in
+`~/.cache/ray_lightning/matrix/` (per machine, like Horovod's wheel), runs tests/test_namespaces.py in
+each with this checkout on PYTHONPATH, and writes the table between the README's matrix markers.
+`matrix NAME...` runs only those combinations. `test` ends with the oldest corner (MATRIX_IN_TEST).
 
 `test` (and `example --horovod`) also installs Horovod (for HorovodRayStrategy). Horovod 0.28.1,
 its last release, does not build against torch >= 2.1 as released (it compiles as C++14; torch's
@@ -166,9 +175,13 @@ def ensure_horovod() -> None:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("example", "test", "bench"):
+    if not argv or argv[0] not in ("example", "test", "bench", "matrix"):
         print(__doc__)
         return 2
+    if argv[0] == "matrix":
+        import dev_matrix
+
+        return dev_matrix.main(argv[1:])
     ensure_venv()
     if argv[0] in ("test", "bench") or "--horovod" in argv:
         ensure_horovod()
@@ -182,7 +195,13 @@ def main(argv: list[str]) -> int:
     else:
         cmd = [str(PYTHON), "-m", "pytest", *argv[1:]]
     print("+", " ".join(cmd), flush=True)
-    return subprocess.run(cmd, cwd=ROOT, env=env).returncode
+    code = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+    if argv[0] == "test" and len(argv) == 1:
+        # The whole suite, then the oldest corner of the version window (dev_matrix.MATRIX_IN_TEST).
+        import dev_matrix
+
+        code = max(code, dev_matrix.run_in_test())
+    return code
 
 
 if __name__ == "__main__":

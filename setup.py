@@ -9,16 +9,25 @@ setup(
     packages=find_packages(include=["ray_lightning", "ray_lightning.*"]),
     python_requires=">=3.10",
     # torch is not pinned to a build here: install the CPU or CUDA build you need first (dev.py does).
+    # Lightning comes as two packages, `lightning` (lightning.pytorch) and `pytorch-lightning`
+    # (pytorch_lightning); ray_lightning works with either or both, so it requires neither and never
+    # replaces the one a user has: the extras below install one. Lower bounds only: the tested window
+    # is Lightning 2.4-2.6, Ray 2.50-2.60, torch 2.13-2.15 (README table), and a newer release is not
+    # downgraded by installing this package.
     install_requires=[
-        "torch>=2.1",
-        "pytorch-lightning>=2.6,<2.7",
-        "ray[default,tune]>=2.60,<2.61",
+        "torch>=2.13",
+        "ray[default,tune]>=2.50",
     ],
     extras_require={
+        "lightning": ["lightning>=2.4"],
+        "pytorch-lightning": ["pytorch-lightning>=2.4"],
         # Horovod 0.28.1 must be built with C++17 to compile against torch >= 2.1 (README:
         # "Installing Horovod"); where it is already installed this extra only checks the version.
         "horovod": ["horovod>=0.28.1"],
         "test": [
+            # Both Lightning packages: the suite runs with both installed, the normal case.
+            "lightning>=2.4",
+            "pytorch-lightning>=2.4",
             "pytest>=8",
             "pytest-timeout",
             "scikit-learn",

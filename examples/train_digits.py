@@ -2,6 +2,7 @@
 
     python3 dev.py example                       # via the project's command (sets up .venv)
     python3 dev.py example --horovod             # the same with HorovodRayAccelerator (builds Horovod once)
+    python3 dev.py example --lightning           # the same with `import lightning.pytorch as pl`
     python examples/train_digits.py --num-workers 4 --max-epochs 10
     RAY_ADDRESS=auto python examples/train_digits.py   # on a running Ray cluster
 
@@ -12,16 +13,24 @@ digits, so nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
+import sys
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint, TQDMProgressBar
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from ray_lightning import HorovodRayAccelerator, RayAccelerator, RayStrategy
+
+# ray_lightning works with both Lightning packages. This example uses `pytorch_lightning`, or with
+# `--lightning` the `lightning` package (`import lightning.pytorch as pl`). The choice is kept in an
+# environment variable so that Ray Tune's trial processes, which import this module, make it too.
+if "--lightning" in sys.argv:
+    os.environ["DIGITS_LIGHTNING"] = "lightning.pytorch"
+pl = importlib.import_module(os.environ.get("DIGITS_LIGHTNING", "pytorch_lightning"))
 
 
 class DigitsDataModule(pl.LightningDataModule):
@@ -82,11 +91,12 @@ def main() -> None:
         help="use Trainer(accelerator=RayAccelerator(...)) instead of strategy=RayStrategy(...)",
     )
     parser.add_argument("--horovod", action="store_true", help="train with Horovod instead of DDP")
+    parser.add_argument("--lightning", action="store_true", help="use the `lightning` package's Trainer")
     args = parser.parse_args()
 
     pl.seed_everything(0)
     model = DigitsClassifier()
-    checkpoint = ModelCheckpoint(monitor="val_acc", mode="max")
+    checkpoint = pl.callbacks.ModelCheckpoint(monitor="val_acc", mode="max")
     if args.accelerator_form or args.horovod:
         accelerator_class = HorovodRayAccelerator if args.horovod else RayAccelerator
         ray_kwargs = dict(
@@ -97,7 +107,8 @@ def main() -> None:
     print(f"Training with {type(ray_kwargs.get('strategy') or ray_kwargs['accelerator']).__name__}")
     # TQDMProgressBar: the bar the driver draws live (where `rich` is installed, Lightning's default
     # RichProgressBar would only print its final state from the worker).
-    trainer = pl.Trainer(max_epochs=args.max_epochs, callbacks=[checkpoint, TQDMProgressBar()], **ray_kwargs)
+    callbacks = [checkpoint, pl.callbacks.TQDMProgressBar()]
+    trainer = pl.Trainer(max_epochs=args.max_epochs, callbacks=callbacks, **ray_kwargs)
     trainer.fit(model, datamodule=DigitsDataModule())
 
     # Everything below ran on the workers and came back to this process.

@@ -15,7 +15,6 @@ import argparse
 import os
 import sys
 
-import pytorch_lightning as pl
 import ray
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler
@@ -23,7 +22,7 @@ from ray.tune.schedulers import ASHAScheduler
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from examples.train_digits import DigitsClassifier, DigitsDataModule  # noqa: E402
+from examples.train_digits import DigitsClassifier, DigitsDataModule, pl  # noqa: E402
 from ray_lightning import HorovodRayStrategy, RayStrategy  # noqa: E402
 from ray_lightning.tune import TuneReportCheckpointCallback, get_tune_resources  # noqa: E402
 
@@ -56,6 +55,7 @@ def main(argv: list[str] | None = None) -> tune.ExperimentAnalysis:
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--max-epochs", type=int, default=4)
     parser.add_argument("--horovod", action="store_true", help="each trial trains with Horovod instead of DDP")
+    parser.add_argument("--lightning", action="store_true", help="use the `lightning` package's Trainer")
     parser.add_argument("--storage-path", default=None, help="where Tune keeps results (default ~/ray_results)")
     args = parser.parse_args(argv)
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> tune.ExperimentAnalysis:
         # give them this checkout.
         ray.init(
             num_cpus=max(os.cpu_count() or 1, 1 + args.num_workers),
-            runtime_env={"env_vars": {"PYTHONPATH": ROOT}},
+            runtime_env={"env_vars": {"PYTHONPATH": ROOT, "DIGITS_LIGHTNING": pl.__name__}},
         )
     config = {
         "hidden": tune.choice([32, 64, 128]),

@@ -13,10 +13,12 @@ Example::
     trainer.fit(model)
 
 The package's layers, lowest first (each imports only those below it; ``tests/test_layers.py``):
-``errors``, ``config``, ``environment``, ``runtime``, ``_lightning``, ``channel``, ``home``,
+``namespaces``, ``errors``, ``config``, ``environment``, ``runtime``, ``_lightning``, ``channel``, ``home``,
 ``launch``, ``strategies``, ``horovod``, ``tune``.
 """
 
+# First: with neither Lightning installed, this raises an ImportError that says what to install.
+from ray_lightning import namespaces  # noqa: F401, I001
 from ray_lightning import _lightning
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.errors import ClusterResourceError, RayWorkerError, WorkerHangError

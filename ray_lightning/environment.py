@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_fabric.plugins.environments import ClusterEnvironment
 from typing_extensions import override
+
+from ray_lightning import namespaces
 
 
 @dataclass(frozen=True)
@@ -83,11 +84,11 @@ def _gpu_sort_key(gpu_id: str) -> tuple[int, str]:
     return (int(gpu_id), "") if gpu_id.isdigit() else (1 << 30, gpu_id)
 
 
-class RayEnvironment(ClusterEnvironment):
+class _RayEnvironment:
     """Ranks of one worker in a Ray actor group, set by the launcher before training starts.
 
-    On the driver (before launch) it reports rank 0 of ``num_workers``. Lightning must not start
-    processes itself: Ray already did.
+    A Lightning ``ClusterEnvironment``. On the driver (before launch) it reports rank 0 of
+    ``num_workers``. Lightning must not start processes itself: Ray already did.
     """
 
     def __init__(self, num_workers: int = 1) -> None:
@@ -151,3 +152,6 @@ class RayEnvironment(ClusterEnvironment):
     @property
     def local_world_size(self) -> int:
         return self._rank.local_world_size
+
+
+RayEnvironment = namespaces.family(_RayEnvironment, "plugins.environments.ClusterEnvironment", __name__, fabric=True)

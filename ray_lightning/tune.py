@@ -28,14 +28,18 @@ import functools
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
 from ray.tune import PlacementGroupFactory
+from typing_extensions import override
 
+from ray_lightning import namespaces
 from ray_lightning.channel.driver_channel import send_to_driver
 from ray_lightning.config import resolve_worker_resources
 from ray_lightning.launch.placement import trial_bundles
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 
 def get_tune_resources(
@@ -60,7 +64,8 @@ def get_tune_resources(
 
 
 def _callback_hooks() -> list[str]:
-    return sorted(name for name in dir(pl.Callback) if name.startswith("on_") and callable(getattr(pl.Callback, name)))
+    callback = namespaces.primary().pl("Callback")
+    return sorted(name for name in dir(callback) if name.startswith("on_") and callable(getattr(callback, name)))
 
 
 def _hook_names(on: str | Sequence[str]) -> list[str]:
@@ -102,7 +107,7 @@ def _metric_names(metrics: None | str | Sequence[str] | Mapping[str, str]) -> di
     return pairs
 
 
-class TuneReportCallback(pl.Callback):
+class TuneReportCallback(*namespaces.bases("callbacks.Callback")):
     """Report Lightning's logged metrics to Ray Tune from a trial's training.
 
     Works with ``RayStrategy``/``HorovodRayStrategy`` (rank 0 reports through the trial's process)
@@ -119,6 +124,9 @@ class TuneReportCallback(pl.Callback):
     Example::
 
         TuneReportCallback({"loss": "val_loss", "acc": "val_acc"}, on="validation_end")
+
+    It is a ``Callback`` of ``lightning.pytorch`` and of ``pytorch_lightning`` (whichever are
+    installed), so one object serves either Trainer.
     """
 
     # Tells the launcher to open a channel from the workers to the trial's process.
@@ -133,6 +141,13 @@ class TuneReportCallback(pl.Callback):
         self._on = _hook_names(on)
         for hook in self._on:
             setattr(self, hook, functools.partial(self._at_hook, hook))
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # Lightning counts a callback of two namespaces as stateful (its state_dict differs from one
+        # namespace's Callback), and refuses two stateful callbacks with one key: the key names the settings.
+        return f"{type(self).__qualname__}{{'metrics': {self._metrics!r}, 'on': {self._on!r}}}"
 
     def _at_hook(self, hook: str, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any):
         if trainer.sanity_checking:

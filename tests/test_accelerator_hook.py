@@ -74,8 +74,7 @@ def test_an_unconverted_accelerator_refuses_to_train_single_process(monkeypatch)
 
 
 def test_missing_lightning_internals_are_reported(monkeypatch):
-    monkeypatch.setattr(connector, "_installed", False)
-    monkeypatch.setattr(connector, "_install_error", None)
+    monkeypatch.setattr(connector, "_install_errors", {})
     monkeypatch.delattr(_AcceleratorConnector, "_choose_strategy")
     with pytest.raises(RuntimeError, match="has no _AcceleratorConnector._choose_strategy"):
         RayAccelerator(num_workers=2)

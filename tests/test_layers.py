@@ -19,6 +19,7 @@ from ray_lightning._lightning.connector import WRAPPED
 PACKAGE = Path(ray_lightning.__file__).parent
 # Lowest first: a module may import its own layer's package and the layers below it, nothing above.
 LAYERS = [
+    "namespaces",
     "errors",
     "config",
     "environment",
@@ -138,6 +139,12 @@ def test_functions_are_short():
 _PRIVATE_ATTRIBUTES = {p.name.split(".")[0] for p in PRIVATE_NAMES if p.name.startswith("_")} | set(WRAPPED)
 
 
+def _is_private_path(value: object) -> bool:
+    """A dotted path with a private part, as given to ``Namespace.pl`` (``"core.optimizer._MockOptimizer"``)."""
+    parts = value.split(".") if isinstance(value, str) else []
+    return len(parts) > 1 and all(p.isidentifier() for p in parts) and any(p.startswith("_") for p in parts)
+
+
 def test_private_lightning_names_only_in_the_lightning_folder():
     offending = []
     for module, path in MODULES.items():
@@ -153,6 +160,8 @@ def test_private_lightning_names_only_in_the_lightning_folder():
                 offending.append(f"{where}:{node.lineno} uses Lightning's private .{node.attr}")
             elif isinstance(node, ast.FunctionDef) and node.name in _PRIVATE_ATTRIBUTES:
                 offending.append(f"{where}:{node.lineno} overrides Lightning's private {node.name}")
+            elif isinstance(node, ast.Constant) and _is_private_path(node.value):
+                offending.append(f"{where}:{node.lineno} looks up Lightning's private {node.value!r}")
     assert not offending, "\n".join(offending)
 
 
@@ -194,7 +203,10 @@ def test_every_lightning_override_is_marked():
 def test_the_checks_can_fail(tmp_path, monkeypatch):
     # A module of a low layer importing a higher one, and a private Lightning import, are found.
     bad = PACKAGE / "config.py"
-    source = bad.read_text() + "\nfrom ray_lightning.launch import launcher\nfrom lightning_fabric.x import _y\n"
+    source = bad.read_text() + (
+        "\nfrom ray_lightning.launch import launcher\nfrom lightning_fabric.x import _y\n"
+        "MOCK = 'core.optimizer._MockOptimizer'\n"
+    )
     fake = tmp_path / "config.py"
     fake.write_text(source)
     monkeypatch.setitem(MODULES, "ray_lightning.config", fake)
@@ -208,5 +220,6 @@ def test_the_checks_can_fail(tmp_path, monkeypatch):
         test_private_lightning_names_only_in_the_lightning_folder()
     except AssertionError as error:
         assert "imports lightning_fabric.x._y" in str(error)
+        assert "looks up Lightning's private 'core.optimizer._MockOptimizer'" in str(error)
     else:
         raise AssertionError("a private-name check that cannot fail")

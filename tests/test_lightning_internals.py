@@ -27,5 +27,8 @@ def test_a_moved_name_is_reported(monkeypatch):
     from ray_lightning._lightning.connector import connector_class
 
     monkeypatch.delattr(connector_class(), "_choose_strategy")
-    entry = next(p for p in names.PRIVATE_NAMES if p.name == "_choose_strategy")
-    assert entry.missing() == "_AcceleratorConnector has no _choose_strategy (no '_choose_strategy' on type)"
+    entry = next(p for p in names.PRIVATE_NAMES if p.name == "_choose_strategy" and "pytorch_lightning" in p.where)
+    assert entry.missing() == (
+        "pytorch_lightning.trainer.connectors.accelerator_connector._AcceleratorConnector has no _choose_strategy "
+        "(no '_choose_strategy' on type)"
+    )

@@ -27,12 +27,12 @@ from ray_lightning._lightning.connector import (
 )
 from ray_lightning._lightning.names import (
     PRIVATE_NAMES,
-    Launcher,
     directory_holders,
     fit_progress_state,
     init_dist_connection,
     is_local_file_protocol,
     is_mock_optimizer,
+    launcher_bases,
     load_fit_progress,
     output_directories,
 )
@@ -42,12 +42,12 @@ __all__ = [
     "PRIVATE_NAMES",
     "BringsItsStrategy",
     "ChoosesItsAccelerator",
-    "Launcher",
     "LightningStrategyHooks",
     "directory_holders",
     "ensure_installed",
     "fit_progress_state",
     "init_dist_connection",
+    "launcher_bases",
     "install",
     "is_local_file_protocol",
     "is_mock_optimizer",

@@ -15,6 +15,12 @@ methods of the connector are wrapped:
 * ``_init_strategy``: refuses such an accelerator combined with any other strategy (``"ddp"`` would
   re-launch ``sys.argv`` instead of using Ray).
 
+Both Lightning namespaces (``pytorch_lightning`` and ``lightning.pytorch``, see
+:mod:`ray_lightning.namespaces`) are patched. In the first wrapper, a ray_lightning strategy or
+accelerator of the other namespace is swapped for this namespace's, rebuilt from the same
+arguments, before Lightning checks its type: ``ray_lightning.RayStrategy(...)`` works with either
+Trainer.
+
 The wrappers are installed when ``ray_lightning`` is imported. If a Lightning release renames or
 removes these methods, creating a RayAccelerator raises, RayStrategy still works (its accelerator
 setter takes over the device choice), and ``RayAccelerator.setup_device`` raises if training
@@ -27,11 +33,12 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-import pytorch_lightning as pl
+from ray_lightning import namespaces
+from ray_lightning.namespaces import Namespace
 
 WRAPPED = ("_check_config_and_set_final_flags", "_choose_strategy", "_init_strategy")
-_install_error: str | None = None
-_installed = False
+# Per namespace: None once installed, else why it cannot be.
+_install_errors: dict[Namespace, str | None] = {}
 
 
 @runtime_checkable
@@ -53,17 +60,17 @@ class BringsItsStrategy(Protocol):
         """The class of that strategy, for error messages."""
 
 
-def connector_class() -> Any:
-    """Lightning's ``_AcceleratorConnector`` class, or None if it moved."""
-    from pytorch_lightning.trainer.connectors import accelerator_connector
+def connector_class(ns: Namespace | None = None) -> Any:
+    """Lightning's ``_AcceleratorConnector`` class (of ``ns``, default the primary namespace), or None if it moved."""
+    try:
+        return (ns or namespaces.primary()).pl("trainer.connectors.accelerator_connector._AcceleratorConnector")
+    except (ImportError, AttributeError):
+        return None
 
-    return getattr(accelerator_connector, "_AcceleratorConnector", None)
 
-
-def _registered_strategy(name: str) -> Any:
+def _registered_strategy(ns: Namespace, name: str) -> Any:
     """The strategy registered as ``name`` if it chooses its accelerator (it must be built before Lightning looks)."""
-    from pytorch_lightning.strategies import StrategyRegistry
-
+    StrategyRegistry = ns.pl("strategies.StrategyRegistry")  # noqa: N806 - Lightning's name
     name = name.lower()
     if name not in StrategyRegistry:
         return None
@@ -84,15 +91,21 @@ def _refuse_other_strategy(connector: Any, accelerator: Any) -> None:
     )
 
 
-def _install() -> None:
-    global _install_error, _installed
-    connector = connector_class()
+def _for_namespace(ns: Namespace, flag: Any) -> Any:
+    """A ray_lightning strategy or accelerator of the other Lightning namespace, rebuilt for ``ns``."""
+    if isinstance(flag, (ChoosesItsAccelerator, BringsItsStrategy)) and hasattr(flag, "init_arguments"):
+        return namespaces.rebuild_for(flag, ns)
+    return flag
+
+
+def _install(ns: Namespace) -> None:
+    connector = connector_class(ns)
     missing = [name for name in WRAPPED if connector is None or not callable(getattr(connector, name, None))]
     if missing:
-        _install_error = (
-            f"pytorch_lightning {pl.__version__} has no _AcceleratorConnector.{', '.join(missing)}, which "
+        _install_errors[ns] = (
+            f"{ns} {ns.version} has no _AcceleratorConnector.{', '.join(missing)}, which "
             "ray_lightning uses to turn Trainer(accelerator=RayAccelerator(...)) into a RayStrategy. "
-            "Use Trainer(strategy=RayStrategy(...)) instead, or a pytorch_lightning version ray_lightning supports."
+            f"Use Trainer(strategy=RayStrategy(...)) instead, or a {ns.distribution} version ray_lightning supports."
         )
         return
     original_check = connector._check_config_and_set_final_flags
@@ -102,8 +115,9 @@ def _install() -> None:
     def _check_config_and_set_final_flags(
         self: Any, strategy: Any, accelerator: Any, *args: Any, **kwargs: Any
     ) -> None:
+        strategy, accelerator = _for_namespace(ns, strategy), _for_namespace(ns, accelerator)
         if isinstance(strategy, str):
-            strategy = _registered_strategy(strategy) or strategy
+            strategy = _registered_strategy(ns, strategy) or strategy
         if isinstance(strategy, ChoosesItsAccelerator):
             accelerator = strategy.prepare_for_trainer(accelerator)
         original_check(self, strategy, accelerator, *args, **kwargs)
@@ -127,26 +141,29 @@ def _install() -> None:
     ):
         wrapper.__wrapped__ = original  # type: ignore[attr-defined]
         setattr(connector, name, wrapper)
-    _installed = True
+    _install_errors[ns] = None
 
 
-def install() -> bool:
-    """Install the wrappers once; False if this Lightning version no longer has what they wrap."""
-    if not _installed and _install_error is None:
-        _install()
-    return _installed
+def install(ns: Namespace | None = None) -> bool:
+    """Install the wrappers once in ``ns`` (default: every installed namespace); False if a Lightning
+    version there no longer has what they wrap."""
+    for each in (ns,) if ns is not None else namespaces.installed():
+        if each not in _install_errors:
+            _install(each)
+    return all(_install_errors[each] is None for each in ((ns,) if ns is not None else namespaces.installed()))
 
 
-def ensure_installed() -> None:
+def ensure_installed(ns: Namespace | None = None) -> None:
     """Install the wrappers once; raise if this Lightning version no longer has what they wrap."""
-    if not install():
-        raise RuntimeError(_install_error)
+    if not install(ns):
+        raise RuntimeError("; ".join(e for e in _install_errors.values() if e))
 
 
 def raise_not_converted(accelerator: Any) -> None:
     """Called when an accelerator that brings its strategy reached training without it."""
+    ns = namespaces.of(accelerator)
     raise RuntimeError(
         f"{accelerator!r} reached training outside a Ray worker: the Trainer did not turn it into a "
-        f"RayStrategy (pytorch_lightning {pl.__version__} may have changed how it chooses strategies). "
+        f"RayStrategy ({ns} {ns.version} may have changed how it chooses strategies). "
         "Refusing to train single-process. Use Trainer(strategy=RayStrategy(...)) instead."
     )

@@ -23,6 +23,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ray_lightning.namespaces import Namespace
+
 # What rank 0's logger knows after a call that the driver's must know for the next one.
 STATE_FOR_DRIVER = ("_logged_model_time", "_checkpoint_name")
 WANDB_ATTRIBUTES = ("_experiment", "_wandb_init", "_id", "_logged_model_time", "_checkpoint_name")
@@ -112,27 +114,22 @@ def _rebuild(cls: type, state: dict[str, Any]) -> Any:
     return logger
 
 
-def _wandb_logger() -> Any:
-    from pytorch_lightning.loggers import WandbLogger
-
-    return WandbLogger(save_dir=os.devnull)
+def _make(ns: Namespace, kind: str, **kwargs: Any) -> Callable[[], Any]:
+    return lambda: ns.pl(f"loggers.{kind}")(**kwargs)
 
 
-def _mlflow_logger() -> Any:
-    from pytorch_lightning.loggers import MLFlowLogger
-
-    # A server URI: the client connects to nothing until used (a file store would be created).
-    return MLFlowLogger(tracking_uri="http://127.0.0.1:9")
-
-
-def _comet_logger() -> Any:
-    from pytorch_lightning.loggers import CometLogger
-
-    return CometLogger(online=False)  # a disabled experiment: no key, no network, no files
-
-
-LOGGER_OWNERS: tuple[tuple[str, str, tuple[str, ...], Callable[[], Any]], ...] = (
-    ("pytorch_lightning.loggers.WandbLogger", "wandb", WANDB_ATTRIBUTES, _wandb_logger),
-    ("pytorch_lightning.loggers.MLFlowLogger", "mlflow", MLFLOW_ATTRIBUTES, _mlflow_logger),
-    ("pytorch_lightning.loggers.CometLogger", "comet_ml", COMET_ATTRIBUTES, _comet_logger),
-)
+def logger_owners(ns: Namespace) -> tuple[tuple[str, str, tuple[str, ...], Callable[[], Any]], ...]:
+    """``(where, the package it needs, private attributes, a logger to look on)`` for each logger of ``ns``."""
+    where = f"{ns.trainer_package}.loggers"
+    return (
+        (f"{where}.WandbLogger", "wandb", WANDB_ATTRIBUTES, _make(ns, "WandbLogger", save_dir=os.devnull)),
+        # A server URI: the client connects to nothing until used (a file store would be created).
+        (
+            f"{where}.MLFlowLogger",
+            "mlflow",
+            MLFLOW_ATTRIBUTES,
+            _make(ns, "MLFlowLogger", tracking_uri="http://127.0.0.1:9"),
+        ),
+        # A disabled experiment: no key, no network, no files.
+        (f"{where}.CometLogger", "comet_ml", COMET_ATTRIBUTES, _make(ns, "CometLogger", online=False)),
+    )

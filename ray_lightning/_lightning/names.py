@@ -15,30 +15,46 @@ Each is used because no public API does the job:
   second ``fit`` logs its metrics at the steps after the first's, as in Lightning.
 
 :data:`PRIVATE_NAMES` lists every private name of this folder with where Lightning keeps it;
-``tests/test_lightning_internals.py`` checks each and names any that moved.
+``tests/test_lightning_internals.py`` checks each and names any that moved. Every name is looked up
+in the Lightning namespace in use (``pytorch_lightning`` or ``lightning.pytorch``,
+:mod:`ray_lightning.namespaces`), and :data:`PRIVATE_NAMES` holds them for each installed one.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lightning_fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning_fabric.utilities.distributed import _init_dist_connection
-from pytorch_lightning.callbacks import ModelCheckpoint
-from pytorch_lightning.core.optimizer import _MockOptimizer
-from pytorch_lightning.strategies.launchers.launcher import _Launcher
-
-from ray_lightning._lightning.loggers import LOGGER_OWNERS
+from ray_lightning import namespaces
+from ray_lightning._lightning.loggers import logger_owners
+from ray_lightning.namespaces import Namespace
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-Launcher = _Launcher
-init_dist_connection = _init_dist_connection
-is_local_file_protocol = _is_local_file_protocol
+LAUNCHER = "strategies.launchers.launcher._Launcher"
+INIT_DIST_CONNECTION = "utilities.distributed._init_dist_connection"  # fabric's
+MOCK_OPTIMIZER = "core.optimizer._MockOptimizer"
+IS_LOCAL_FILE_PROTOCOL = "utilities.cloud_io._is_local_file_protocol"  # fabric's
+CONNECTOR = "trainer.connectors.accelerator_connector._AcceleratorConnector"
+
+
+def launcher_bases() -> tuple[type, ...]:
+    """The base class Lightning's strategies expect of ``strategy.launcher``, of every installed namespace."""
+    return namespaces.bases(LAUNCHER)
+
+
+def init_dist_connection(ns: Namespace, *args: Any, **kwargs: Any) -> None:
+    """Lightning's process-group setup, of the namespace the strategy belongs to."""
+    ns.fabric(INIT_DIST_CONNECTION)(*args, **kwargs)
+
+
+def is_local_file_protocol(path: Any) -> bool:
+    return namespaces.primary().fabric(IS_LOCAL_FILE_PROTOCOL)(path)
+
 
 # Where the Trainer, its loggers and checkpoint callbacks keep the directories they write into.
 TRAINER_DIRECTORIES = ("_default_root_dir",)
@@ -58,7 +74,7 @@ FIT_COUNTERS = (("batches_that_stepped", "epoch_loop._batches_that_stepped"),)
 
 def is_mock_optimizer(optimizer: Any) -> bool:
     """Whether ``optimizer`` is Lightning's stand-in for a module that configured none."""
-    return isinstance(optimizer, _MockOptimizer)
+    return isinstance(optimizer, namespaces.every(MOCK_OPTIMIZER))
 
 
 def directory_holders(trainer: pl.Trainer) -> Iterator[tuple[Any, tuple[str, ...]]]:
@@ -66,8 +82,9 @@ def directory_holders(trainer: pl.Trainer) -> Iterator[tuple[Any, tuple[str, ...
     yield trainer, TRAINER_DIRECTORIES
     for logger in trainer.loggers:
         yield logger, LOGGER_DIRECTORIES
+    model_checkpoint = namespaces.every("callbacks.ModelCheckpoint")
     for callback in trainer.callbacks:
-        if isinstance(callback, ModelCheckpoint):
+        if isinstance(callback, model_checkpoint):
             yield callback, CHECKPOINT_PATHS
 
 
@@ -132,77 +149,52 @@ class PrivateName:
         return None
 
 
-def _module(name: str) -> Callable[[], Any]:
-    import importlib
-
-    return lambda: importlib.import_module(name)
-
-
-def _connector() -> Any:
-    from ray_lightning._lightning.connector import connector_class
-
-    return connector_class()
+def _module(ns: Namespace, path: str, *, fabric: bool = False) -> Callable[[], Any]:
+    package = ns.fabric_package if fabric else ns.trainer_package
+    return lambda: importlib.import_module(f"{package}.{path}")
 
 
-def _ddp_strategy() -> Any:
-    from pytorch_lightning.strategies import DDPStrategy
-
-    return DDPStrategy()
+def _trainer(ns: Namespace) -> Callable[[], Any]:
+    return lambda: ns.pl("Trainer")(logger=False, enable_checkpointing=False, enable_progress_bar=False)
 
 
-def _trainer() -> Any:
-    import pytorch_lightning as pl
-
-    return pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+def _ddp_strategy(ns: Namespace) -> Callable[[], Any]:
+    return lambda: ns.pl("strategies.DDPStrategy")()
 
 
-def _logger(kind: str) -> Callable[[], Any]:
-    def make() -> Any:
-        from pytorch_lightning import loggers
-
-        return getattr(loggers, kind)(os.devnull)
-
-    return make
+def _logger(ns: Namespace, kind: str) -> Callable[[], Any]:
+    return lambda: ns.pl(f"loggers.{kind}")(os.devnull)
 
 
-def _fit_loop() -> Any:
-    return _trainer().fit_loop
+def _private_names(ns: Namespace) -> Iterator[PrivateName]:
+    pl_, fabric = ns.trainer_package, ns.fabric_package
+    for path, is_fabric in ((LAUNCHER, False), (INIT_DIST_CONNECTION, True), (MOCK_OPTIMIZER, False),
+                            (IS_LOCAL_FILE_PROTOCOL, True), (CONNECTOR, False)):  # fmt: skip
+        module, _, name = path.rpartition(".")
+        yield PrivateName(f"{fabric if is_fabric else pl_}.{module}", name, _module(ns, module, fabric=is_fabric))
+    for method in ("_check_config_and_set_final_flags", "_choose_strategy", "_init_strategy"):
+        yield PrivateName(f"{pl_}.{CONNECTOR}", method, lambda: ns.pl(CONNECTOR))
+    trainer = _trainer(ns)
+    connector = f"a {pl_} Trainer's _AcceleratorConnector"
+    yield PrivateName(connector, "_strategy_flag", lambda: trainer()._accelerator_connector)
+    yield PrivateName(f"{pl_}.Trainer", "_default_root_dir", trainer)
+    yield PrivateName(f"{pl_}.loggers.CSVLogger", "_root_dir", _logger(ns, "CSVLogger"))
+    yield PrivateName(f"{pl_}.loggers.CSVLogger", "_save_dir", _logger(ns, "CSVLogger"))
+    yield PrivateName(f"{pl_}.loggers.TensorBoardLogger", "_root_dir", _logger(ns, "TensorBoardLogger"))
+    for name in ("_accelerator", "_launcher", "_lightning_optimizers", "_configure_launcher"):
+        yield PrivateName(f"{pl_}.strategies.Strategy", name, _ddp_strategy(ns))
+    for name in ("_timeout", "_process_group_backend", "_get_process_group_backend"):
+        yield PrivateName(f"{pl_}.strategies.DDPStrategy", name, _ddp_strategy(ns))
+    for _, path in FIT_PROGRESS + FIT_COUNTERS:
+        yield PrivateName(f"{pl_}.Trainer.fit_loop", path, lambda: trainer().fit_loop)
+    for where, needs, attributes, owner in logger_owners(ns):
+        for name in attributes:
+            yield PrivateName(where, name, owner, needs)
 
 
-PRIVATE_NAMES: tuple[PrivateName, ...] = (
-    PrivateName("pytorch_lightning.strategies.launchers.launcher", "_Launcher", _module(_Launcher.__module__)),
-    PrivateName(
-        "lightning_fabric.utilities.distributed", "_init_dist_connection", _module(_init_dist_connection.__module__)
-    ),
-    PrivateName("pytorch_lightning.core.optimizer", "_MockOptimizer", _module("pytorch_lightning.core.optimizer")),
-    PrivateName(
-        "lightning_fabric.utilities.cloud_io", "_is_local_file_protocol", _module(_is_local_file_protocol.__module__)
-    ),
-    PrivateName(
-        "pytorch_lightning.trainer.connectors.accelerator_connector",
-        "_AcceleratorConnector",
-        _module("pytorch_lightning.trainer.connectors.accelerator_connector"),
-    ),
-    *(
-        PrivateName("_AcceleratorConnector", m, _connector)
-        for m in ("_check_config_and_set_final_flags", "_choose_strategy", "_init_strategy")
-    ),
-    PrivateName("a Trainer's _AcceleratorConnector", "_strategy_flag", lambda: _trainer()._accelerator_connector),
-    PrivateName("pytorch_lightning.Trainer", "_default_root_dir", _trainer),
-    PrivateName("pytorch_lightning.loggers.CSVLogger", "_root_dir", _logger("CSVLogger")),
-    PrivateName("pytorch_lightning.loggers.CSVLogger", "_save_dir", _logger("CSVLogger")),
-    PrivateName("pytorch_lightning.loggers.TensorBoardLogger", "_root_dir", _logger("TensorBoardLogger")),
-    PrivateName("pytorch_lightning.strategies.Strategy", "_accelerator", _ddp_strategy),
-    PrivateName("pytorch_lightning.strategies.Strategy", "_launcher", _ddp_strategy),
-    PrivateName("pytorch_lightning.strategies.Strategy", "_lightning_optimizers", _ddp_strategy),
-    PrivateName("pytorch_lightning.strategies.Strategy", "_configure_launcher", _ddp_strategy),
-    PrivateName("pytorch_lightning.strategies.DDPStrategy", "_timeout", _ddp_strategy),
-    PrivateName("pytorch_lightning.strategies.DDPStrategy", "_process_group_backend", _ddp_strategy),
-    PrivateName("pytorch_lightning.strategies.DDPStrategy", "_get_process_group_backend", _ddp_strategy),
-    *(PrivateName("pytorch_lightning.Trainer.fit_loop", path, _fit_loop) for _, path in FIT_PROGRESS + FIT_COUNTERS),
-    *(
-        PrivateName(where, name, owner, needs)
-        for where, needs, attributes, owner in LOGGER_OWNERS
-        for name in attributes
-    ),
-)
+def private_names() -> tuple[PrivateName, ...]:
+    """Every private Lightning name ray_lightning relies on, in every installed namespace."""
+    return tuple(name for ns in namespaces.installed() for name in _private_names(ns))
+
+
+PRIVATE_NAMES: tuple[PrivateName, ...] = private_names()

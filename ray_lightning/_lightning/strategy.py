@@ -15,15 +15,13 @@ from typing import Any
 
 from typing_extensions import override
 
-from ray_lightning._lightning.names import Launcher
-
 
 class LightningStrategyHooks:
     """Mixed into a Lightning ``Strategy`` subclass; see the module docstring."""
 
     # -- what the strategy provides ------------------------------------------------------------------
 
-    def make_launcher(self) -> Launcher:
+    def make_launcher(self) -> Any:
         """The launcher Lightning calls ``launch`` on."""
         raise NotImplementedError
 

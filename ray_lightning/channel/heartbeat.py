@@ -18,12 +18,14 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
 from typing_extensions import override
 
-from ray_lightning import runtime
+from ray_lightning import namespaces, runtime
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 _TAG = "ray_lightning.progress"
 
@@ -89,8 +91,11 @@ class Heartbeat:
             self._queue.actor.put_nowait.remote(report.to_message())
 
 
-class HeartbeatCallback(pl.Callback):
-    """Marks every loop event of the Trainer on this rank (added to the worker's Trainer by the worker)."""
+class HeartbeatCallback(*namespaces.bases("callbacks.Callback")):
+    """Marks every loop event of the Trainer on this rank (added to the worker's Trainer by the worker).
+
+    A ``Callback`` of every installed Lightning namespace (:func:`ray_lightning.namespaces.bases`).
+    """
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

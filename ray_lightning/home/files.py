@@ -27,9 +27,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ray
-from pytorch_lightning.callbacks import ModelCheckpoint
 
-from ray_lightning import _lightning
+from ray_lightning import _lightning, namespaces
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -55,7 +54,7 @@ def _map_paths(trainer: pl.Trainer, mapping: Callable[[str], str]) -> None:
             value = getattr(holder, name, None)
             if isinstance(value, (str, os.PathLike)) and _lightning.is_local_file_protocol(value) and os.fspath(value):
                 setattr(holder, name, mapping(os.fspath(value)))
-        if isinstance(holder, ModelCheckpoint):
+        if isinstance(holder, namespaces.every("callbacks.ModelCheckpoint")):
             holder.best_k_models = {mapping(str(k)): v for k, v in holder.best_k_models.items()}
 
 
@@ -98,11 +97,11 @@ def stage(trainer: pl.Trainer, staging: str) -> None:
     make_private_dir(staging)
     _map_paths(trainer, lambda p: to_staged(p, staging) if os.path.isabs(p) else p)
     for callback in trainer.callbacks:
-        if isinstance(callback, ModelCheckpoint):
+        if isinstance(callback, namespaces.every("callbacks.ModelCheckpoint")):
             _translate_state(callback, staging)
 
 
-def _translate_state(callback: ModelCheckpoint, staging: str) -> None:
+def _translate_state(callback: Any, staging: str) -> None:
     """The callback's state speaks of the driver's paths: in checkpoints, on resume, sent back."""
     state_dict, load_state_dict = callback.state_dict, callback.load_state_dict
 
@@ -186,6 +185,7 @@ def _resolved(path: str) -> str:
     return os.path.realpath(os.path.abspath(os.path.expanduser(path)))
 
 
+CHECKPOINT_EXTENSION = ".ckpt"  # ModelCheckpoint.FILE_EXTENSION, the same in both namespaces
 _CHECKPOINT_FILES = ("best_model_path", "last_model_path", "kth_best_model_path")
 
 
@@ -220,7 +220,7 @@ class WriteScope:
             if isinstance(state, dict) and "best_k_models" in state and "dirpath" in state:
                 named.update(str(p) for p in state["best_k_models"])
                 named.update(str(state.get(k) or "") for k in _CHECKPOINT_FILES)
-        checkpoints = {_resolved(p) for p in named if p.endswith(ModelCheckpoint.FILE_EXTENSION)}
+        checkpoints = {_resolved(p) for p in named if p.endswith(CHECKPOINT_EXTENSION)}
         return WriteScope(self.directories, self.files | checkpoints)
 
     def allows(self, path: str) -> bool:

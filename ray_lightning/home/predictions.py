@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
 import torch
-from lightning_fabric.utilities.apply_func import move_data_to_device
-from pytorch_lightning.callbacks import BasePredictionWriter
 from typing_extensions import override
 
+from ray_lightning import namespaces
 
-class PredictionRecorder(BasePredictionWriter):
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+
+class PredictionRecorder(*namespaces.bases("callbacks.BasePredictionWriter")):
     """Added to each worker's Trainer while predicting: keeps every batch's prediction with its dataset indices.
 
     Nothing is kept with ``trainer.predict(..., return_predictions=False)``.
@@ -35,7 +37,7 @@ class PredictionRecorder(BasePredictionWriter):
     ) -> None:
         if not trainer.predict_loop.return_predictions:
             return
-        self.records.append((dataloader_idx, list(batch_indices or []), move_data_to_device(prediction, "cpu")))
+        self.records.append((dataloader_idx, list(batch_indices or []), namespaces.to_cpu(prediction)))
 
 
 def merge_predictions(per_rank: list[list[tuple[int, list[int], Any]]], num_dataloaders: int) -> Any:

@@ -16,18 +16,17 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
 import torch
-from lightning_fabric.utilities.apply_func import move_data_to_device
-from pytorch_lightning.callbacks import ModelCheckpoint
-from pytorch_lightning.trainer.states import TrainerFn, TrainerState
 
-from ray_lightning import _lightning
+from ray_lightning import _lightning, namespaces
 from ray_lightning.home import files, loggers
 from ray_lightning.home.predictions import PredictionRecorder
 from ray_lightning.home.weights import pack_weights, unpack_weights
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +36,7 @@ class WorkerOutput:
     """Sent by a worker when its ``fit``/``validate``/``test``/``predict`` returns."""
 
     global_rank: int
-    trainer_state: TrainerState | None = None
+    trainer_state: Any = None  # Lightning's TrainerState
     results: Any = None
     weights: dict[str, Any] | None = None  # see pack_weights
     callback_metrics: dict[str, Any] = field(default_factory=dict)
@@ -66,10 +65,10 @@ def collect_worker_output(
     ``staging``: where rank 0 wrote its files instead of the driver's paths, if it did.
     """
     rank = trainer.global_rank
-    fitting = trainer.state.fn == TrainerFn.FITTING
+    fitting = trainer.state.fn == namespaces.FITTING
     # Every rank computes the state dict: torchmetrics states may sync across ranks.
     weights = trainer.lightning_module.state_dict() if fitting else None
-    predicting = trainer.state.fn == TrainerFn.PREDICTING
+    predicting = trainer.state.fn == namespaces.PREDICTING
     predictions = recorder.records if recorder is not None else None
     if rank != 0:
         return WorkerOutput(global_rank=rank, predictions=predictions) if predictions else None
@@ -78,11 +77,11 @@ def collect_worker_output(
         global_rank=rank,
         trainer_state=trainer.state,
         # When predicting, the driver rebuilds the results from every rank's `predictions`.
-        results=None if predicting else move_data_to_device(results, "cpu"),
+        results=None if predicting else namespaces.to_cpu(results),
         weights=pack_weights(weights) if weights is not None else None,
-        callback_metrics=move_data_to_device(dict(trainer.callback_metrics), "cpu"),
-        logged_metrics=move_data_to_device(dict(trainer.logged_metrics), "cpu"),
-        progress_bar_metrics=move_data_to_device(dict(trainer.progress_bar_metrics), "cpu"),
+        callback_metrics=namespaces.to_cpu(dict(trainer.callback_metrics)),
+        logged_metrics=namespaces.to_cpu(dict(trainer.logged_metrics)),
+        progress_bar_metrics=namespaces.to_cpu(dict(trainer.progress_bar_metrics)),
         fit_progress=_lightning.fit_progress_state(trainer) if fitting else None,
         logger_states=loggers.states_for_driver(trainer, staging),
         predictions=predictions,
@@ -94,7 +93,7 @@ def collect_worker_output(
         if state:
             if staging is not None:
                 state = files.from_staged(state, staging)
-            output.callback_states.append((callback.state_key, move_data_to_device(state, "cpu")))
+            output.callback_states.append((callback.state_key, namespaces.to_cpu(state)))
     if staging is not None:
         output.staged = True
         output.files = _staged_files(trainer, staging)
@@ -115,7 +114,7 @@ def _staged_files(trainer: pl.Trainer, staging: str) -> dict[str, bytes]:
 def _checkpoint_files(trainer: pl.Trainer) -> set[str]:
     paths: set[str] = set()
     for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
+        if isinstance(callback, namespaces.every("callbacks.ModelCheckpoint")):
             paths.update(str(p) for p in callback.best_k_models)
             paths.update(
                 str(p) for p in (callback.best_model_path, callback.last_model_path, callback.kth_best_model_path)
@@ -166,14 +165,14 @@ def _load_callback_states(trainer: pl.Trainer, output: WorkerOutput, scope: file
         if match is None:
             continue
         state = remaining.pop(match)[1]
-        if isinstance(callback, ModelCheckpoint):
+        if isinstance(callback, namespaces.every("callbacks.ModelCheckpoint")):
             _load_checkpoint_callback(callback, state, output, scope)
         else:
             callback.load_state_dict(state)
 
 
 def _load_checkpoint_callback(
-    callback: ModelCheckpoint, state: dict[str, Any], output: WorkerOutput, scope: files.WriteScope
+    callback: Any, state: dict[str, Any], output: WorkerOutput, scope: files.WriteScope
 ) -> None:
     dirpath = state.get("dirpath", callback.dirpath)
     if output.staged and dirpath and not scope.allows(str(dirpath)):

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning_fabric.utilities.apply_func import move_data_to_device
+
+from ray_lightning import namespaces
 
 
 def pack_weights(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -24,7 +25,7 @@ def pack_weights(state_dict: dict[str, Any]) -> dict[str, Any]:
             data = tensor.reshape(-1).view(torch.uint8).numpy()
             packed[name] = _PackedTensor(tensor.dtype, tuple(tensor.shape), data)
         else:
-            packed[name] = move_data_to_device(value, "cpu")
+            packed[name] = namespaces.to_cpu(value)
     return packed
 
 

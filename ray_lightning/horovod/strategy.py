@@ -26,16 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
-from lightning_fabric.utilities.seed import reset_seed
-from pytorch_lightning.callbacks import GradientAccumulationScheduler
-from pytorch_lightning.core.optimizer import LightningOptimizer
-from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
-from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ray_lightning import _lightning, runtime
+from ray_lightning import _lightning, namespaces, runtime
 from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, resolve_worker_resources, worker_layout
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.horovod.hvd import import_horovod_torch, init_horovod
@@ -49,7 +44,7 @@ if TYPE_CHECKING:
     import pytorch_lightning as pl
 
 
-class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
+class _HorovodRayStrategy(RayWorkersMixin):
     """Horovod data-parallel training across Ray actors.
 
     Args:
@@ -98,10 +93,11 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
         resources = resolve_worker_resources(workers, num_cpus_per_worker, use_gpu, resources_per_worker, hosts)
         # Fail here, on the driver, rather than in every worker.
         import_horovod_torch()
+        self.keep_init_arguments(locals(), {})
         self._init_workers(
             resources, init_hook, placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s, progress_timeout_s
         )
-        super().__init__(cluster_environment=RayEnvironment(workers))
+        super().__init__(cluster_environment=namespaces.sibling(RayEnvironment, self.namespace)(workers))
         self._failed = False
 
     @property
@@ -120,7 +116,7 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
 
     @override
     def check_trainer(self, trainer: pl.Trainer) -> None:
-        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+        if any(isinstance(cb, namespaces.every("callbacks.GradientAccumulationScheduler")) for cb in trainer.callbacks):
             raise ValueError(
                 "HorovodRayStrategy needs one accumulate_grad_batches for the whole run (Horovod fixes how many "
                 "backward passes make a step when it wraps the optimizer); GradientAccumulationScheduler "
@@ -145,7 +141,7 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
                 f"Horovod started as rank {hvd.rank()} of {hvd.size()}, but ray_lightning placed this worker as "
                 f"rank {self.global_rank} of {self.world_size}."
             )
-        reset_seed()
+        self.namespace.fabric("utilities.seed.reset_seed")()
         super().setup_environment()
         runtime.mark_progress("setup", "prepare_data, setup hooks, configure_model")
 
@@ -159,13 +155,14 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        if trainer.state.fn != TrainerFn.FITTING:
+        if trainer.state.fn != namespaces.FITTING:
             return
         hvd = self._hvd
         module = self.lightning_module
         assert module is not None
         hvd.broadcast_parameters(module.state_dict(), root_rank=0)
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        wrapper = namespaces.every("core.optimizer.LightningOptimizer")
+        optimizers = [o._optimizer if isinstance(o, wrapper) else o for o in self.optimizers]
         wrapped = [self._wrap(optimizer, hvd, trainer.accumulate_grad_batches) for optimizer in optimizers]
         for old, new in zip(optimizers, wrapped):
             state = old.state_dict()
@@ -287,5 +284,7 @@ class HorovodRayStrategy(RayWorkersMixin, ParallelStrategy):
             torch.cuda.empty_cache()
 
 
-if "horovod_ray" not in StrategyRegistry:
-    StrategyRegistry.register("horovod_ray", HorovodRayStrategy, description="Horovod on Ray actors (ray_lightning)")
+HorovodRayStrategy = namespaces.family(_HorovodRayStrategy, "strategies.ParallelStrategy", __name__)
+namespaces.register(
+    HorovodRayStrategy, "strategies.StrategyRegistry", "horovod_ray", "Horovod on Ray actors (ray_lightning)"
+)

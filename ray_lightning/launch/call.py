@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from ray_lightning import runtime
+from ray_lightning import namespaces, runtime
 from ray_lightning.channel.heartbeat import Heartbeat, HeartbeatCallback
 from ray_lightning.channel.progress import readable_output
 from ray_lightning.channel.worker_output import end_of_output
@@ -69,8 +69,6 @@ class WorkerCall:
             end_of_output(context.output_marker)
 
     def _run(self, trainer: pl.Trainer, function: Callable, args: tuple, kwargs: dict) -> WorkerOutput | None:
-        from pytorch_lightning.trainer.states import TrainerFn
-
         context = self.context
         with contextlib.ExitStack() as scratch:
             if context.checkpoint_file is not None:
@@ -86,7 +84,7 @@ class WorkerCall:
                 runtime.mark_progress("init_hook", startup=True)
                 strategy.init_hook()
             recorder = None
-            if trainer.state.fn == TrainerFn.PREDICTING:
+            if trainer.state.fn == namespaces.PREDICTING:
                 recorder = PredictionRecorder()
                 trainer.callbacks.append(recorder)
             if context.progress_interval_s is not None:

@@ -23,12 +23,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ray
-from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from ray.util.placement_group import get_current_placement_group
 from typing_extensions import override
 
-from ray_lightning import _lightning
+from ray_lightning import _lightning, namespaces
 from ray_lightning.channel.worker_output import output_sync
 from ray_lightning.errors import RayWorkerError, WorkerHangError
 from ray_lightning.home import files, loggers
@@ -61,7 +59,7 @@ _OUTPUT_WAIT_S = 10.0
 _FAILED_OUTPUT_WAIT_S = 3.0
 
 
-class RayLauncher(_lightning.Launcher):
+class RayLauncher(*_lightning.launcher_bases()):
     """Runs a Trainer function on Ray actors; see the module docstring for the steps."""
 
     def __init__(self, strategy: LaunchedStrategy) -> None:
@@ -162,6 +160,7 @@ class RayLauncher(_lightning.Launcher):
             local=any(i.node_id == driver_node for i in infos),
             remote=any(i.node_id != driver_node for i in infos),
         )
+        rank_zero_info = namespaces.of(self._strategy).pl("utilities.rank_zero.rank_zero_info")
         rank_zero_info(describe_placement(self._strategy.resources.describe(), group.ranks, infos, group.calls > 0))
         return build_contexts(group.ranks, infos, point, driver_node, self._staging, shipped, call)
 
@@ -172,7 +171,7 @@ class RayLauncher(_lightning.Launcher):
         self.transferred_files = apply_to_driver(trainer, rank_zero, self._scope)
         if self.transferred_files:
             log.info("ray_lightning: copied %s from rank 0's node to this machine", ", ".join(self.transferred_files))
-        if trainer.state.fn == TrainerFn.PREDICTING:
+        if trainer.state.fn == namespaces.PREDICTING:
             if not rank_zero.return_predictions:
                 return None
             per_rank = [o.predictions or [] for o in outputs if o is not None]

@@ -13,9 +13,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ray
-from pytorch_lightning.callbacks import ModelCheckpoint
 
-from ray_lightning import _lightning
+from ray_lightning import _lightning, namespaces
 from ray_lightning.config import REUSE_CHECK_TIMEOUT_S as _PROBE_TIMEOUT_S
 from ray_lightning.launch.session import driver_node_id
 from ray_lightning.runtime import CheckpointFile
@@ -82,7 +81,7 @@ def checkpoint_argument(function: Callable, args: tuple, kwargs: dict, trainer: 
     """
     path = _given_checkpoint(function, args, kwargs)
     callback = trainer.checkpoint_callback if trainer is not None else None
-    if path in ("best", "last") and isinstance(callback, ModelCheckpoint):
+    if path in ("best", "last") and isinstance(callback, namespaces.every("callbacks.ModelCheckpoint")):
         path = callback.best_model_path if path == "best" else callback.last_model_path
     if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
         return os.path.abspath(path)

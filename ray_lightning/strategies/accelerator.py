@@ -14,23 +14,21 @@ They serve two purposes:
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
-from pytorch_lightning.accelerators import Accelerator, AcceleratorRegistry, CPUAccelerator, CUDAAccelerator
-from pytorch_lightning.strategies import StrategyRegistry
-from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from ray_lightning import _lightning, runtime
+from ray_lightning import _lightning, namespaces, runtime
 from ray_lightning.config import check_keywords
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
 
-class RayAccelerator(Accelerator):
-    """Train on ``num_workers`` Ray actors with PyTorch DDP.
+class _RayAccelerator:
+    """Train on ``num_workers`` Ray actors with PyTorch DDP: a Lightning ``Accelerator``.
 
     Args:
         num_workers: number of training processes (Ray actors).
@@ -58,8 +56,10 @@ class RayAccelerator(Accelerator):
         use_gpu: bool = False,
         **strategy_kwargs: Any,
     ) -> None:
-        _lightning.ensure_installed()
+        _lightning.ensure_installed(self.namespace)
         super().__init__()
+        self.init_arguments = dict(num_workers=num_workers, cpus_per_worker=cpus_per_worker, use_gpu=use_gpu)
+        self.init_arguments.update(strategy_kwargs)
         for theirs, ours in self.renamed.items():
             if theirs in strategy_kwargs:
                 value = strategy_kwargs[theirs]
@@ -73,7 +73,7 @@ class RayAccelerator(Accelerator):
 
     def strategy_class(self) -> type:
         """The strategy class registered under :attr:`strategy_name`."""
-        return StrategyRegistry[self.strategy_name]["strategy"]
+        return self.namespace.pl("strategies.StrategyRegistry")[self.strategy_name]["strategy"]
 
     def make_strategy(self) -> Any:
         """The strategy this accelerator stands for (built once)."""
@@ -93,10 +93,11 @@ class RayAccelerator(Accelerator):
         return self._strategy
 
     @classmethod
-    def for_strategy(cls, strategy: Any) -> RayAccelerator:
+    def for_strategy(cls, strategy: Any) -> Any:
         """The accelerator a strategy uses when the user did not pass one of these accelerators."""
         accelerator = cls.__new__(cls)
-        Accelerator.__init__(accelerator)
+        cls.namespace.pl("accelerators.Accelerator").__init__(accelerator)
+        accelerator.init_arguments = {}
         accelerator._strategy_kwargs = {}
         accelerator._strategy = strategy
         return accelerator
@@ -107,27 +108,29 @@ class RayAccelerator(Accelerator):
 
     # -- inside a worker: behave like Lightning's accelerator for the device the worker got --------
 
-    @staticmethod
-    def _delegate(device: torch.device | str | None) -> Accelerator:
+    def _delegate(self, device: torch.device | str | None) -> Any:
         device = torch.device(device) if device is not None else torch.device("cpu")
-        return CUDAAccelerator() if device.type == "cuda" else CPUAccelerator()
+        return self._cuda() if device.type == "cuda" else self.namespace.pl("accelerators.CPUAccelerator")()
+
+    def _cuda(self) -> Any:
+        return self.namespace.pl("accelerators.CUDAAccelerator")()
 
     @override
     def setup_device(self, device: torch.device) -> None:
         if not runtime.in_worker():
             _lightning.raise_not_converted(self)
         if device.type == "cuda":
-            CUDAAccelerator().setup_device(device)
+            self._cuda().setup_device(device)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.strategy.root_device.type == "cuda":
-            CUDAAccelerator().setup(trainer)
+            self._cuda().setup(trainer)
 
     @override
     def teardown(self) -> None:
         if runtime.in_worker() and torch.cuda.is_initialized():
-            CUDAAccelerator().teardown()
+            self._cuda().teardown()
 
     @override
     def get_device_stats(self, device: str | torch.device) -> dict[str, Any]:
@@ -141,10 +144,12 @@ class RayAccelerator(Accelerator):
         # The number of workers decides the devices; `Trainer(devices=...)` has no say. Lightning
         # turns the default "auto" into auto_device_count() (1) before asking, so 1 cannot warn.
         if devices not in (1, "1", "auto"):
-            rank_zero_warn(
+            warnings.warn(
                 f"Trainer(devices={devices!r}) is ignored: ray_lightning trains one process per Ray worker, each "
                 "on the device Ray reserves for it. Set how many with num_workers (RayStrategy, RayAccelerator, "
-                "HorovodRayStrategy) or num_hosts x num_slots (Horovod), and GPUs with use_gpu or resources_per_worker."
+                "HorovodRayStrategy) or num_hosts x num_slots (Horovod), and GPUs with use_gpu or "
+                "resources_per_worker.",
+                stacklevel=2,
             )
         return devices
 
@@ -172,14 +177,19 @@ class RayAccelerator(Accelerator):
     @classmethod
     @override
     def register_accelerators(cls, accelerator_registry: Any) -> None:
-        accelerator_registry.register(cls.name(), cls, description=f"{cls.__name__} (ray_lightning)")
+        # Lightning calls this on the classes it finds; namespaces.register did it for every namespace.
+        if cls.name() not in accelerator_registry:
+            accelerator_registry.register(cls.name(), cls, description=f"{cls.__name__} (ray_lightning)")
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self._strategy_kwargs.items() if v is not None)
         return f"{type(self).__name__}({args})"
 
 
-class HorovodRayAccelerator(RayAccelerator):
+RayAccelerator = namespaces.family(_RayAccelerator, "accelerators.Accelerator", __name__)
+
+
+class _HorovodRayAccelerator(_RayAccelerator):
     """Train on Ray actors with Horovod: the classic form of :class:`~ray_lightning.HorovodRayStrategy`.
 
     Args:
@@ -222,6 +232,7 @@ class HorovodRayAccelerator(RayAccelerator):
         return "horovod_ray"
 
 
+HorovodRayAccelerator = namespaces.family(_HorovodRayAccelerator, "accelerators.Accelerator", __name__)
 for _accelerator in (RayAccelerator, HorovodRayAccelerator):
-    if _accelerator.name() not in AcceleratorRegistry:
-        _accelerator.register_accelerators(AcceleratorRegistry)
+    description = f"{_accelerator.__name__} (ray_lightning)"
+    namespaces.register(_accelerator, "accelerators.AcceleratorRegistry", _accelerator.name(), description)

@@ -17,11 +17,9 @@ from datetime import timedelta
 from typing import Any
 
 import ray
-from lightning_fabric.utilities.seed import reset_seed
-from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from typing_extensions import override
 
-from ray_lightning import _lightning, runtime
+from ray_lightning import _lightning, namespaces, runtime
 from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, WorkerResources, check_keywords, resolve_worker_resources
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.launch.network import interface_for, listener_environment
@@ -49,15 +47,16 @@ def _parameter_names(function: Callable) -> set[str]:
 
 
 @functools.cache
-def ddp_keywords() -> frozenset[str]:
+def ddp_keywords(ns: namespaces.Namespace) -> frozenset[str]:
     """What ``**ddp_kwargs`` may hold: the installed DDPStrategy's and DistributedDataParallel's arguments."""
     from torch.nn.parallel import DistributedDataParallel
 
-    names = _parameter_names(DDPStrategy.__init__) | _parameter_names(DistributedDataParallel.__init__)
+    ddp_strategy = ns.pl("strategies.DDPStrategy")
+    names = _parameter_names(ddp_strategy.__init__) | _parameter_names(DistributedDataParallel.__init__)
     return frozenset(names - set(_DECIDED))
 
 
-def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any], resources: WorkerResources) -> dict[str, Any]:
+def _check_ddp_kwargs(strategy: type, ddp_kwargs: Mapping[str, Any], resources: WorkerResources) -> dict[str, Any]:
     """Refuse, here on the driver, what would otherwise fail in every worker once they started.
 
     Returns the arguments to pass on: those RayStrategy decides are dropped when they are None
@@ -71,7 +70,7 @@ def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any], resources: WorkerResources)
     check_keywords(
         "RayStrategy",
         ddp_kwargs,
-        RayStrategy.accepted_keywords(),
+        strategy.accepted_keywords(),
         "its own arguments and those of Lightning's DDPStrategy and torch's DistributedDataParallel",
     )
     timeout = ddp_kwargs.get("timeout")
@@ -92,8 +91,11 @@ def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any], resources: WorkerResources)
     return ddp_kwargs
 
 
-class RayStrategy(RayWorkersMixin, DDPStrategy):
-    """PyTorch DDP across Ray actors, one actor per worker.
+class _RayStrategy(RayWorkersMixin):
+    """PyTorch DDP across Ray actors, one actor per worker: Lightning's ``DDPStrategy``.
+
+    The same class serves ``lightning.pytorch`` and ``pytorch_lightning`` Trainers
+    (:mod:`ray_lightning.namespaces`).
 
     Args:
         num_workers: number of training processes (Ray actors).
@@ -145,7 +147,8 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
         **ddp_kwargs: Any,
     ) -> None:
         resources = resolve_worker_resources(num_workers, num_cpus_per_worker, use_gpu, resources_per_worker)
-        ddp_kwargs = _check_ddp_kwargs(ddp_kwargs, resources)
+        ddp_kwargs = _check_ddp_kwargs(type(self), ddp_kwargs, resources)
+        self.keep_init_arguments(locals(), ddp_kwargs)
         self._init_workers(
             resources,
             init_hook,
@@ -159,7 +162,7 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
         super().__init__(
             accelerator=None,
             parallel_devices=None,
-            cluster_environment=RayEnvironment(self.num_workers),
+            cluster_environment=namespaces.sibling(RayEnvironment, self.namespace)(self.num_workers),
             checkpoint_io=None,
             start_method="popen",
             **ddp_kwargs,
@@ -168,7 +171,7 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
     @classmethod
     @override
     def accepted_keywords(cls) -> set[str]:
-        return super().accepted_keywords() | ddp_keywords()
+        return super().accepted_keywords() | ddp_keywords(cls.namespace)
 
     @override
     def worker_process_group_backend(self) -> str:
@@ -183,7 +186,7 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         runtime.mark_progress("rendezvous", "joining the process group", startup=True)
-        reset_seed()
+        self.namespace.fabric("utilities.seed.reset_seed")()
         self.set_world_ranks()
         backend = self.worker_process_group_backend()
         self.use_process_group_backend(backend)
@@ -204,9 +207,9 @@ class RayStrategy(RayWorkersMixin, DDPStrategy):
         kwargs: dict[str, Any] = {"timeout": self.ddp_timeout, "store": store}
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
-        _lightning.init_dist_connection(self.cluster_environment, backend, **kwargs)
+        _lightning.init_dist_connection(self.namespace, self.cluster_environment, backend, **kwargs)
         runtime.mark_progress("setup", "prepare_data, setup hooks, configure_model")
 
 
-if "ray" not in StrategyRegistry:
-    StrategyRegistry.register("ray", RayStrategy, description="DDP on Ray actors (ray_lightning)")
+RayStrategy = namespaces.family(_RayStrategy, "strategies.DDPStrategy", __name__)
+namespaces.register(RayStrategy, "strategies.StrategyRegistry", "ray", "DDP on Ray actors (ray_lightning)")

@@ -16,11 +16,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning_fabric.utilities.rank_zero import rank_zero_only as utils_rank_zero_only
-from pytorch_lightning.plugins.precision import MixedPrecision
-from pytorch_lightning.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
+from ray_lightning import namespaces
 from ray_lightning._lightning import LightningStrategyHooks
 from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, WorkerResources, WorkerTimeouts, check_init_hook
 from ray_lightning.environment import RayEnvironment
@@ -39,6 +37,9 @@ class RayWorkersMixin(LightningStrategyHooks):
     # The accelerator the Trainer gets with this strategy (the classic form of the same workers).
     accelerator_class: type[RayAccelerator] = RayAccelerator
     _cluster_environment: RayEnvironment | None
+    # Set on each family member (ray_lightning.namespaces.family): the Lightning it subclasses.
+    namespace: namespaces.Namespace
+    init_arguments: dict[str, Any]
 
     def _init_workers(
         self,
@@ -62,6 +63,17 @@ class RayWorkersMixin(LightningStrategyHooks):
         self.progress_timeout_s = timeouts.progress_s
         self._worker: WorkerContext | None = None
         self._rendezvous_store: Any = None
+
+    def keep_init_arguments(self, arguments: dict[str, Any], var_keyword: dict[str, Any]) -> None:
+        """Keep the constructor's arguments (from its ``locals()``): a Trainer of the other Lightning
+        namespace rebuilds this strategy from them (:func:`ray_lightning.namespaces.rebuild_for`)."""
+        parameters = inspect.signature(type(self).__init__).parameters.values()
+        named = [p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"]
+        self.init_arguments = {**{name: arguments[name] for name in named}, **var_keyword}
+
+    def warn(self, message: str) -> None:
+        """Warn once, from rank 0, as Lightning does."""
+        self.namespace.pl("utilities.rank_zero.rank_zero_warn")(message)
 
     @classmethod
     def accepted_keywords(cls) -> set[str]:
@@ -130,12 +142,12 @@ class RayWorkersMixin(LightningStrategyHooks):
         wants_gpu = name.lower() in ("gpu", "cuda", "cudaaccelerator")
         wants_cpu = name.lower() in ("cpu", "cpuaccelerator")
         if (wants_gpu and not self.use_gpu) or (wants_cpu and self.use_gpu):
-            rank_zero_warn(
+            self.warn(
                 f"Trainer(accelerator={requested!r}) is ignored: {type(self).__name__} trains on "
                 f"{'CUDA' if self.use_gpu else 'CPU'} because the workers reserve "
                 f"{self.resources.gpus:g} GPU each (use_gpu / resources_per_worker decide)."
             )
-        return self.accelerator_class.for_strategy(self)
+        return namespaces.sibling(self.accelerator_class, self.namespace).for_strategy(self)
 
     @property
     def cluster_environment(self) -> RayEnvironment | None:
@@ -174,7 +186,7 @@ class RayWorkersMixin(LightningStrategyHooks):
     def num_nodes(self, num_nodes: int) -> None:
         # Ray decides how many nodes the workers span.
         if num_nodes != 1:
-            rank_zero_warn(
+            self.warn(
                 f"Trainer(num_nodes={num_nodes}) is ignored: {type(self).__name__} places "
                 f"{self.resources.describe()} wherever the Ray cluster has room."
             )
@@ -199,10 +211,11 @@ class RayWorkersMixin(LightningStrategyHooks):
         self._cluster_environment.configure(context.rank, context.world_size, context.main_address, context.main_port)
         self.parallel_devices = [self.root_device] * context.rank.local_world_size
         plugin = self.precision_plugin
-        if type(plugin) is MixedPrecision and plugin.device != self.root_device.type:
+        mixed_precision = self.namespace.pl("plugins.precision.MixedPrecision")
+        if type(plugin) is mixed_precision and plugin.device != self.root_device.type:
             # Lightning built it for the driver's device; a GradScaler made where CUDA is absent is
             # disabled for good, so build it anew for the device this worker trains on.
-            self.precision_plugin = MixedPrecision(plugin.precision, self.root_device.type)
+            self.precision_plugin = mixed_precision(plugin.precision, self.root_device.type)
 
     def detach_worker(self) -> None:
         """Called by the worker after a call succeeded: leave the process group, so that the
@@ -214,7 +227,8 @@ class RayWorkersMixin(LightningStrategyHooks):
 
     @override
     def set_world_ranks(self) -> None:
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        for fabric in (False, True):
+            namespaces.set_everywhere("utilities.rank_zero.rank_zero_only", "rank", self.global_rank, fabric=fabric)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

@@ -47,8 +47,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from pytorch_lightning.loggers import CometLogger, MLFlowLogger, WandbLogger
-
+from ray_lightning import namespaces
 from ray_lightning._lightning import loggers as lightning
 from ray_lightning.config import NOT_FORWARDED_ENV
 from ray_lightning.home import files
@@ -58,6 +57,10 @@ if TYPE_CHECKING:
     import pytorch_lightning as pl
 
 log = logging.getLogger(__name__)
+# The logger classes of every installed Lightning namespace, for isinstance.
+WandbLogger = namespaces.every("loggers.WandbLogger")
+MLFlowLogger = namespaces.every("loggers.MLFlowLogger")
+CometLogger = namespaces.every("loggers.CometLogger")
 
 
 def prepare_on_driver(trainer: pl.Trainer) -> None:
