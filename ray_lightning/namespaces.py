@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 import sys
+import warnings
 from abc import ABCMeta
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +64,11 @@ class Namespace:
         return self.trainer_package
 
 
+# The oldest releases ray_lightning works with (the README's table tests them).
+MINIMUM_LIGHTNING = (2, 4)
+MINIMUM_RAY = (2, 50)
+MINIMUM_TORCH = (2, 13)
+
 PYTORCH_LIGHTNING = Namespace("pytorch_lightning", "lightning_fabric", "pytorch-lightning", "pytorch_lightning")
 LIGHTNING = Namespace("lightning.pytorch", "lightning.fabric", "lightning", "lightning")
 KNOWN = (PYTORCH_LIGHTNING, LIGHTNING)
@@ -81,13 +88,52 @@ def _importable(ns: Namespace) -> bool:
     return True
 
 
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``"2.6.6"``, ``"2.13.0+cpu"``, ``"2.5.1.post0"`` -> ``(2, 6, 6)``, ``(2, 13, 0)``, ``(2, 5, 1)``."""
+    parts = []
+    for part in version.split("+")[0].split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _too_old(name: str, version: str, minimum: tuple[int, ...]) -> str | None:
+    if version_tuple(version) >= minimum:
+        return None
+    return f"{name} {version} (ray_lightning needs {'.'.join(map(str, minimum))} or newer)"
+
+
 @functools.cache
 def installed() -> tuple[Namespace, ...]:
-    """The Lightning namespaces importable here, primary first; raises ImportError naming what to install if none."""
+    """The Lightning namespaces importable here and recent enough, primary first.
+
+    Raises ImportError naming what to install if there is none. A namespace older than
+    :data:`MINIMUM_LIGHTNING` beside a recent one is left out with a warning: its Trainers refuse
+    ray_lightning's classes.
+    """
     found = tuple(ns for ns in KNOWN if _importable(ns))
-    if not found:
-        raise ImportError(INSTALL_HINT)
-    return found
+    old = {ns: _too_old(ns.trainer_package, ns.version, MINIMUM_LIGHTNING) for ns in found}
+    usable = tuple(ns for ns in found if old[ns] is None)
+    if not usable:
+        detail = "; found " + ", ".join(str(o) for o in old.values()) if found else ""
+        raise ImportError(INSTALL_HINT + detail)
+    for reason in filter(None, old.values()):
+        warnings.warn(f"ray_lightning ignores {reason}; its Trainers cannot use ray_lightning.", stacklevel=2)
+    return usable
+
+
+def check_stack() -> None:
+    """Refuse, at import, a Ray or torch older than the supported window, naming the version needed."""
+    import ray
+    import torch
+
+    for name, version, minimum, pip in (
+        ("Ray", ray.__version__, MINIMUM_RAY, "ray[default,tune]"),
+        ("torch", torch.__version__, MINIMUM_TORCH, "torch"),
+    ):
+        reason = _too_old(name, version, minimum)
+        if reason:
+            raise ImportError(f"{reason}: pip install '{pip}>={'.'.join(map(str, minimum))}'")
 
 
 def primary() -> Namespace:
@@ -212,4 +258,6 @@ def to_cpu(data: Any) -> Any:
     return primary().fabric("utilities.apply_func.move_data_to_device")(data, "cpu")
 
 
-installed()  # importing ray_lightning with neither Lightning installed says what to install
+# Importing ray_lightning with neither Lightning installed, or a Ray or torch too old, says what to install.
+check_stack()
+installed()

@@ -229,3 +229,33 @@ def test_without_lightning_the_import_says_what_to_install():
     result = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode != 0
     assert "ImportError: ray_lightning needs PyTorch Lightning: `pip install lightning`" in result.stderr
+
+
+def _import_with(setup: str) -> subprocess.CompletedProcess:
+    code = setup + "\nimport ray_lightning\nprint('primary', ray_lightning.namespaces.primary())\n"
+    return subprocess.run(
+        [sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+
+
+def test_too_old_versions_name_the_version_needed():
+    # Only the version strings are changed: what an older release reports.
+    old_lightning = "".join(f"import {n}; {n}.__version__ = '2.3.3'\n" for n in INSTALLED)
+    result = _import_with(old_lightning)
+    assert result.returncode != 0
+    assert f"found {INSTALLED[0]} 2.3.3 (ray_lightning needs 2.4 or newer)" in result.stderr, result.stderr
+    result = _import_with("import ray; ray.__version__ = '2.49.0'")
+    assert "ImportError: Ray 2.49.0 (ray_lightning needs 2.50 or newer): pip install 'ray[default,tune]>=2.50'" in (
+        result.stderr
+    )
+    result = _import_with("import torch; torch.__version__ = '2.12.1'")
+    assert "ImportError: torch 2.12.1 (ray_lightning needs 2.13 or newer)" in result.stderr
+
+
+@pytest.mark.skipif(len(INSTALLED) < 2, reason="needs both lightning and pytorch-lightning installed")
+def test_an_old_package_beside_a_new_one_is_left_out_with_a_warning():
+    primary, other = INSTALLED
+    result = _import_with(f"import {primary}; {primary}.__version__ = '1.9.5'")
+    assert result.returncode == 0, result.stderr
+    assert f"ray_lightning ignores {primary} 1.9.5 (ray_lightning needs 2.4 or newer)" in result.stderr
+    assert f"primary {other}" in result.stdout
