@@ -14,10 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 
-from benchmarks.workload import BenchModule, Spec, StepClock, WeightsModule, trainer_kwargs
+from benchmarks.workload import BenchModule, Spec, StepClock, WeightsModule, pl, trainer_kwargs
 
 FitFn = Callable[[Spec, BenchModule, str, int], None]
 

@@ -13,12 +13,18 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
+
+# Ray Train's Lightning utilities use `lightning.pytorch` whenever the `lightning` package is
+# installed, and its strategy is refused by a `pytorch_lightning` Trainer (ray-project/ray#47089).
+# Every contender uses that same namespace, so all of them train the same module.
+try:
+    import lightning.pytorch as pl
+except ImportError:
+    import pytorch_lightning as pl
 
 # The frozen block of the weights-back model is split into tensors of this many elements, as a real
 # model's state dict has many tensors rather than one.
@@ -130,7 +136,7 @@ def trainer_kwargs(spec: Spec, steps: int) -> dict[str, Any]:
     )
 
 
-class StepClock(Callback):
+class StepClock(pl.Callback):
     """Records rank 0's wall-clock times during ``fit`` and writes them to ``path`` in ``on_fit_end``.
 
     Every contender runs on this one machine, so these times compare with the driver's
