@@ -162,6 +162,21 @@ def test_the_furthest_behind_are_stuck_the_others_wait():
     assert "stack 1" in str(error) and "progress_timeout_s=60" in str(error)
 
 
+def test_the_rank_behind_is_stuck_even_when_a_waiting_rank_passes_its_bound_first():
+    # Rank 1 stopped in init_hook after rank 0 had reached the rendezvous: rank 0's bound passes first
+    # (seen in a loaded run), but rank 0 only waits for rank 1.
+    clock = _Clock()
+    watchdog = _watchdog(clock)
+    watchdog.record(ProgressReport(0, 4, "rendezvous", "hvd.init", startup=True))
+    clock.now += 5
+    watchdog.record(ProgressReport(1, 3, "init_hook", startup=True))
+    clock.now += 25
+    assert watchdog.overdue() == [0]
+    error = watchdog.hang_error([0], [])
+    assert error.ranks == [1] and error.phase == "init_hook", str(error)
+    assert "worker_start_timeout_s=30" in str(error) and "rank 0: rendezvous (hvd.init)" in str(error)
+
+
 def test_no_progress_bound_leaves_only_the_startup_bound():
     clock = _Clock()
     watchdog = _watchdog(clock, progress_timeout_s=None)

@@ -5,9 +5,9 @@ per rank, the newest report and when it changed. A rank in a startup phase (star
 unpickling, ``init_hook``, the rendezvous) may stay there ``worker_start_timeout_s``; later phases
 (setup, every batch of every loop) ``progress_timeout_s`` (None: unbounded).
 
-When a bound passes, the ranks that are furthest behind (fewest events) are the stuck ones: the
-others wait for them in a collective. The error names them and their phase, shows every rank's
-phase, and every rank's Python stack at that moment (:mod:`.stacks`).
+When a bound passes, the running ranks furthest behind (fewest events) are the stuck ones, whether
+or not their own bound passed first: the others wait for them in a collective. The error names them
+and their phase, shows every rank's phase, and every rank's Python stack at that moment (:mod:`.stacks`).
 """
 
 from __future__ import annotations
@@ -79,12 +79,19 @@ class Watchdog:
         return [rank for rank, seen, bound in self._watched() if now - seen.since >= bound]
 
     def hang_error(self, overdue: list[int], stacks: Sequence[str]) -> WorkerHangError:
-        """The error for ``overdue`` ranks; ``stacks[i]`` is actor ``i``'s stack."""
-        behind = min(self._seen[r].report.count for r in overdue)
-        stuck = sorted(r for r in overdue if self._seen[r].report.count == behind)
+        """The error once ``overdue`` ranks passed their bound; ``stacks[i]`` is actor ``i``'s stack.
+
+        The stuck ranks are the furthest behind of all running ranks, overdue or not: a rank that
+        stopped later than the one it waits for (it reached the collective after the other stopped)
+        passes its bound first, yet it is the other that is stuck.
+        """
+        running = [r for r, seen in self._seen.items() if not seen.finished] or list(overdue)
+        behind = min(self._seen[r].report.count for r in running)
+        stuck = sorted(r for r in running if self._seen[r].report.count == behind)
         first = self._seen[stuck[0]].report
-        bound = self._bound(first)
-        setting = "worker_start_timeout_s" if first.startup else "progress_timeout_s"
+        trigger = self._seen[overdue[0]].report if overdue else first
+        bound = self._bound(trigger)
+        setting = "worker_start_timeout_s" if trigger.startup else "progress_timeout_s"
         waited = self._checked_at - self._seen[stuck[0]].since
         names = ", ".join(f"rank {r}" for r in stuck)
         lines = [
