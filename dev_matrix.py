@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import venv
@@ -101,8 +102,6 @@ def ensure(combo: Combination) -> Path:
     if stamp.exists():
         return combo.python
     if combo.venv.exists():
-        import shutil
-
         shutil.rmtree(combo.venv)
     print(f"Creating {combo.venv}", flush=True)
     venv.create(combo.venv, with_pip=True)

@@ -188,8 +188,8 @@ def family(body: type, base: str, module: str, *, fabric: bool = False) -> type:
     ``body`` is written once, without a Lightning base; its methods reach their namespace's names
     through ``self.namespace``. Each member is ``module``'s attribute ``<name>__<key>``; the primary
     one is also returned for the public name (its ``__qualname__`` is the plain name).
-    Each member's ``for_namespace(ns)`` gives its sibling and ``rebuilt_for(ns)`` (where the body
-    defines ``init_arguments``) an equal object of the sibling.
+    :func:`sibling` gives a member's counterpart in another namespace, and :func:`rebuild_for` an
+    equal object of it (where the body keeps ``init_arguments``).
     """
     name = body.__name__.lstrip("_")
     globals_ = sys.modules[module].__dict__
@@ -250,7 +250,7 @@ def register(member: type, registry: str, name: str, description: str) -> None:
 
 # Lightning's TrainerFn values: its enum compares equal to them in either namespace
 # (`trainer.state.fn == FITTING`), so no namespace's enum is needed.
-FITTING, VALIDATING, TESTING, PREDICTING = "fit", "validate", "test", "predict"
+FITTING, PREDICTING = "fit", "predict"
 
 
 def to_cpu(data: Any) -> Any:
