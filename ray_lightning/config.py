@@ -3,7 +3,8 @@
 * :class:`WorkerResources` / :func:`resolve_worker_resources`: what each worker reserves and how
   many workers there are (no Ray needed to check them);
 * :func:`worker_layout`: Horovod's ``num_workers`` or ``num_hosts`` x ``num_slots``;
-* :class:`WorkerTimeouts`: the three time bounds, from arguments or ``RAY_LIGHTNING_*`` variables;
+* :class:`WorkerTimeouts`: the time bounds, from arguments or ``RAY_LIGHTNING_*`` variables;
+* :class:`RecoverySettings`: how often a fit may restart its workers, and how often it checkpoints for that;
 * the names of those variables and the package's other fixed settings.
 
 Whether the cluster can hold a request is checked at launch (:mod:`ray_lightning.launch.placement`).
@@ -26,7 +27,13 @@ PLACEMENT_TIMEOUT_ENV = "RAY_LIGHTNING_PLACEMENT_TIMEOUT_S"
 WORKER_START_TIMEOUT_ENV = "RAY_LIGHTNING_WORKER_START_TIMEOUT_S"
 KEEP_WORKERS_ALIVE_ENV = "RAY_LIGHTNING_KEEP_WORKERS_ALIVE_S"
 PROGRESS_TIMEOUT_ENV = "RAY_LIGHTNING_PROGRESS_TIMEOUT_S"
+SCALE_UP_TIMEOUT_ENV = "RAY_LIGHTNING_SCALE_UP_TIMEOUT_S"
+MAX_FAILURES_ENV = "RAY_LIGHTNING_MAX_FAILURES"
+RECOVERY_EVERY_N_STEPS_ENV = "RAY_LIGHTNING_RECOVERY_CHECKPOINT_EVERY_N_STEPS"
 DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
+# 15 minutes: a cloud node (a spot GPU instance) takes minutes to boot, pull its image and join;
+# the autoscaler retries a launch that failed within that time.
+DEFAULT_SCALE_UP_TIMEOUT_S = 900.0
 DEFAULT_WORKER_START_TIMEOUT_S = 300.0
 DEFAULT_KEEP_WORKERS_ALIVE_S = 60.0
 
@@ -112,6 +119,8 @@ class WorkerTimeouts:
     start_s: float
     keep_alive_s: float
     progress_s: float | None = None
+    # Waiting for the autoscaler to start nodes that a request needs (only when it can).
+    scale_up_s: float = DEFAULT_SCALE_UP_TIMEOUT_S
 
     @classmethod
     def resolve(
@@ -120,6 +129,7 @@ class WorkerTimeouts:
         worker_start_timeout_s: float | None,
         keep_workers_alive_s: float | None,
         progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
+        scale_up_timeout_s: float | None = None,
     ) -> WorkerTimeouts:
         """Arguments left as None (``progress_timeout_s``: left out) come from the ``RAY_LIGHTNING_*``
         variables, else the defaults; ``progress_timeout_s=None`` switches that bound off."""
@@ -139,6 +149,54 @@ class WorkerTimeouts:
                 zero_ok=True,
             ),
             _progress_seconds(progress_timeout_s),
+            _seconds("scale_up_timeout_s", scale_up_timeout_s, SCALE_UP_TIMEOUT_ENV, DEFAULT_SCALE_UP_TIMEOUT_S),
+        )
+
+
+def _count(name: str, value: Any, env: str, default: int | None, minimum: int) -> int | None:
+    """A whole number from the argument ``name``, else the variable ``env``, else ``default``."""
+    source = name
+    if value is None and env in os.environ:
+        source, raw = f"{env} (environment variable)", os.environ[env]
+        if raw.strip().lower() in _OFF and default is None:
+            return None
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{source} must be a whole number, got {raw!r}.") from None
+    elif value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{source} must be a whole number >= {minimum}, got {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{source} must be >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class RecoverySettings:
+    """How a fit survives lost workers.
+
+    ``max_failures``: how many times the worker group may be restarted from the latest recovery
+    checkpoint within one call (0: a failure ends the call, as before). ``every_n_steps``: rank 0
+    also takes a recovery checkpoint every this many optimizer steps, besides every epoch end
+    (None: epoch ends only). Recovery checkpoints are taken only when ``max_failures > 0``.
+    """
+
+    max_failures: int = 0
+    every_n_steps: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_failures > 0
+
+    @classmethod
+    def resolve(cls, max_failures: Any = None, every_n_steps: Any = None) -> RecoverySettings:
+        """Arguments left as None come from ``RAY_LIGHTNING_MAX_FAILURES`` and
+        ``RAY_LIGHTNING_RECOVERY_CHECKPOINT_EVERY_N_STEPS``, else 0 and None."""
+        return cls(
+            _count("max_failures", max_failures, MAX_FAILURES_ENV, 0, 0) or 0,
+            _count("recovery_checkpoint_every_n_steps", every_n_steps, RECOVERY_EVERY_N_STEPS_ENV, None, 1),
         )
 
 

@@ -8,15 +8,34 @@ class ClusterResourceError(RuntimeError):
 
 
 class RayWorkerError(RuntimeError):
-    """A worker raised or died. ``rank`` is its global rank; the message holds its traceback."""
+    """A worker raised or died. ``rank`` is its global rank; the message holds its traceback.
+
+    ``failures``: after a fit restarted its workers (``max_failures``), the messages of the
+    failures before this one, oldest first; this error's message repeats them.
+    """
 
     def __init__(self, message: str, rank: int) -> None:
         super().__init__(message)
         self.rank = rank
+        self.failures: list[str] = []
 
     def __reduce__(self) -> tuple:
         # Tune copies and Ray pickles exceptions; keep the rank (and the subclass) when they do.
-        return (type(self), (str(self), self.rank))
+        return (type(self), (str(self), self.rank), {"failures": self.failures})
+
+
+class WorkerDiedError(RayWorkerError):
+    """A worker process died while running the call: killed, out of memory, or its node was lost.
+
+    ``preempted``: Ray reported that the node was drained for preemption before it died.
+    """
+
+    def __init__(self, message: str, rank: int, preempted: bool = False) -> None:
+        super().__init__(message, rank)
+        self.preempted = preempted
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.rank, self.preempted), {"failures": self.failures})
 
 
 class WorkerStartupError(RayWorkerError):
@@ -40,4 +59,12 @@ class WorkerHangError(RayWorkerError):
         self.phase = phase
 
     def __reduce__(self) -> tuple:
-        return (type(self), (str(self), self.rank, self.ranks, self.phase))
+        return (type(self), (str(self), self.rank, self.ranks, self.phase), {"failures": self.failures})
+
+
+class WorkerPreemptedError(RayWorkerError):
+    """A worker's process or node is about to go away (SIGTERM, a node drained for preemption).
+
+    Raised on the driver when rank 0 has taken a checkpoint because of it, so the fit restarts from
+    there at once instead of waiting for the node to die; ``reason`` says who is going away.
+    """

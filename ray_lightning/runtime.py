@@ -7,6 +7,10 @@ globals of its own: the accelerator (train only where training belongs), the dri
 rank 0 sends its calls), the strategy (ranks, devices). As Ray Train's ``get_context()`` does, this
 answers None on the driver.
 
+A worker whose process or node is about to be taken away (SIGTERM, a node drained with a
+deadline) asks rank 0 for a recovery checkpoint (:func:`request_checkpoint`); rank 0's recovery
+callback takes it at the next batch end (:func:`take_checkpoint_request`).
+
 Each rank also says how far it got (:func:`mark_progress`: the phase it entered, a batch it
 started...), which the launcher's watchdog reads to find a rank that is stuck; on the driver and
 where no watchdog runs, marking is a no-op.
@@ -15,6 +19,7 @@ where no watchdog runs, marking is a no-op.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -87,6 +92,32 @@ class WorkerContext:
     output_marker: str | None = None
     # How many machines (distinct node IPs) the workers span; Ray nodes may share one.
     num_machines: int = 1
+    # The fit may restart its workers: rank 0 sends recovery checkpoints (None: it does not).
+    recovery: RecoveryPlan | None = None
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    """What a worker of a fit that may restart does for it (``ray_lightning.config.RecoverySettings``).
+
+    ``every_n_steps``: rank 0 checkpoints every this many optimizer steps besides epoch ends.
+    ``notice_key``: where any rank leaves word that its process or node is going away (Ray's
+    internal key-value store), so rank 0 checkpoints at once. ``node_ids``: the nodes of this
+    call's workers, whose draining rank 0 watches. ``seed``: files to put in rank 0's staging
+    directory before training (what this fit wrote before a restart), a reference or None.
+    ``attempt``: 0 for the call's first start, ``n`` after its ``n``-th restart. After a restart:
+    ``log_step``, the loggers' step at the checkpoint resumed from (log rows from later steps are
+    dropped: they are logged again), and ``random_states``, rank 0's random generators at the first
+    step after it (None if unknown).
+    """
+
+    every_n_steps: int | None
+    notice_key: str
+    node_ids: tuple[str, ...] = ()
+    seed: Any = None
+    attempt: int = 0
+    log_step: int | None = None
+    random_states: Any = None
 
 
 class ProgressMarker(Protocol):
@@ -98,6 +129,8 @@ class ProgressMarker(Protocol):
 
 _current: WorkerContext | None = None
 _progress: ProgressMarker | None = None
+_checkpoint_request: list[str] = []  # the reasons given since rank 0 last checkpointed
+_request_lock = threading.Lock()
 
 
 def current_context() -> WorkerContext | None:
@@ -116,12 +149,29 @@ def mark_progress(phase: str, detail: str = "", startup: bool = False) -> None:
         _progress.mark(phase, detail, startup)
 
 
+def request_checkpoint(reason: str) -> None:
+    """Ask this process's recovery callback (rank 0's) for a checkpoint at the next batch end."""
+    with _request_lock:
+        _checkpoint_request.append(reason)
+
+
+def take_checkpoint_request() -> str | None:
+    """The reason a checkpoint was asked for since the last call (then forgotten), or None."""
+    with _request_lock:
+        if not _checkpoint_request:
+            return None
+        reason = "; ".join(dict.fromkeys(_checkpoint_request))
+        _checkpoint_request.clear()
+        return reason
+
+
 @contextlib.contextmanager
 def activated(context: WorkerContext, progress: ProgressMarker | None = None) -> Iterator[WorkerContext]:
     """Make ``context`` (and where its progress goes) this process's current one until the block ends."""
     global _current, _progress
     previous = _current, _progress
     _current, _progress = context, progress
+    take_checkpoint_request()  # nothing asked during an earlier call carries over
     try:
         yield context
     finally:

@@ -13,6 +13,8 @@ Each is used because no public API does the job (what is done with them:
   logged as artifacts; the driver's logger learns them, so the next ``fit`` does not log them again.
 * ``MLFlowLogger._tracking_uri``, ``_mlflow_client``: where the run is stored (``save_dir`` only reads it).
 * ``CometLogger._comet_config``: where an offline experiment is archived (``save_dir`` only reads it).
+* ``CSVLogger.experiment.metrics_keys`` and ``metrics_file_path`` (of Lightning's private
+  ``_ExperimentWriter``): a CSV log a restarted rank 0 continues (:func:`continue_csv_log`).
 
 Every one is in :data:`PRIVATE_NAMES` (via :mod:`.names`).
 """
@@ -30,6 +32,32 @@ STATE_FOR_DRIVER = ("_logged_model_time", "_checkpoint_name")
 WANDB_ATTRIBUTES = ("_experiment", "_wandb_init", "_id", "_logged_model_time", "_checkpoint_name")
 MLFLOW_ATTRIBUTES = ("_tracking_uri", "_mlflow_client", "_logged_model_time")
 COMET_ATTRIBUTES = ("_experiment", "_comet_config")
+CSV_ATTRIBUTES = ("experiment.metrics_keys", "experiment.metrics_file_path")
+
+
+def continue_csv_log(logger: Any, before_step: int | None) -> None:
+    """Keep the rows of the CSV log ``logger`` finds (written before a restart) and append to them.
+
+    Lightning's CSV writer, created in a new process, deletes the metrics file it finds, which
+    would leave a restarted fit's log with the rows after the restart only. Rows of steps from
+    ``before_step`` on are dropped: the restarted fit trains and logs those steps again.
+    """
+    import csv
+
+    path = os.path.join(logger.log_dir, "metrics.csv")
+    if not os.path.isfile(path):
+        return
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        keys, rows = list(reader.fieldnames or []), list(reader)
+    if before_step is not None:
+        rows = [row for row in rows if not row.get("step", "").isdigit() or int(row["step"]) < before_step]
+    writer = logger.experiment  # created now: deletes the file
+    with open(writer.metrics_file_path, "w", newline="") as f:
+        out = csv.DictWriter(f, fieldnames=keys)
+        out.writeheader()
+        out.writerows(rows)
+    writer.metrics_keys = keys
 
 
 def live_run(logger: Any) -> Any:
@@ -118,7 +146,7 @@ def _make(ns: Namespace, kind: str, **kwargs: Any) -> Callable[[], Any]:
     return lambda: ns.pl(f"loggers.{kind}")(**kwargs)
 
 
-def logger_owners(ns: Namespace) -> tuple[tuple[str, str, tuple[str, ...], Callable[[], Any]], ...]:
+def logger_owners(ns: Namespace) -> tuple[tuple[str, str | None, tuple[str, ...], Callable[[], Any]], ...]:
     """``(where, the package it needs, private attributes, a logger to look on)`` for each logger of ``ns``."""
     where = f"{ns.trainer_package}.loggers"
     return (
@@ -132,4 +160,12 @@ def logger_owners(ns: Namespace) -> tuple[tuple[str, str, tuple[str, ...], Calla
         ),
         # A disabled experiment: no key, no network, no files.
         (f"{where}.CometLogger", "comet_ml", COMET_ATTRIBUTES, _make(ns, "CometLogger", online=False)),
+        # Its experiment makes a version directory: in a directory of its own.
+        (f"{where}.CSVLogger", None, CSV_ATTRIBUTES, _csv_logger(ns)),
     )
+
+
+def _csv_logger(ns: Namespace) -> Callable[[], Any]:
+    import tempfile
+
+    return lambda: ns.pl("loggers.CSVLogger")(save_dir=tempfile.mkdtemp(prefix="ray_lightning-names-"))

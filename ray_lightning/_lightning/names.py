@@ -10,6 +10,9 @@ Each is used because no public API does the job:
 * ``Trainer._default_root_dir``, the loggers' ``_root_dir``/``_save_dir``: the directories rank 0
   writes into, which have no public setters (rank 0 off the driver's machine stages them).
 * The private attributes of the W&B, MLflow and Comet loggers (:mod:`.loggers`).
+* ``Trainer._checkpoint_connector.dump_checkpoint``: the checkpoint ``trainer.save_checkpoint``
+  would write, as a dict, in rank 0 alone (``save_checkpoint`` is collective and writes a file):
+  the recovery checkpoints of a fit that may restart its workers.
 * The fit loop's progress counters and ``_batches_that_stepped`` (the step loggers are given):
   restored on the driver so ``current_epoch``/``global_step`` are rank 0's after ``fit``, and a
   second ``fit`` logs its metrics at the steps after the first's, as in Lightning.
@@ -70,6 +73,19 @@ FIT_PROGRESS = (
 # Plain values of the fit loop: the step Lightning passes to `logger.log_metrics` (a counter of its own,
 # not global_step: it is saved in checkpoints and must continue in the next fit).
 FIT_COUNTERS = (("batches_that_stepped", "epoch_loop._batches_that_stepped"),)
+
+
+CHECKPOINT_CONNECTOR = "_checkpoint_connector"
+
+
+def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
+    """The full checkpoint (weights, optimizers, schedulers, loops, callbacks) ``trainer.save_checkpoint`` writes."""
+    return getattr(trainer, CHECKPOINT_CONNECTOR).dump_checkpoint(weights_only=False)
+
+
+def is_last_batch(trainer: pl.Trainer) -> bool:
+    """Whether the training batch that just ended is its epoch's last."""
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
 
 def is_mock_optimizer(optimizer: Any) -> bool:
@@ -178,6 +194,7 @@ def _private_names(ns: Namespace) -> Iterator[PrivateName]:
     connector = f"a {pl_} Trainer's _AcceleratorConnector"
     yield PrivateName(connector, "_strategy_flag", lambda: trainer()._accelerator_connector)
     yield PrivateName(f"{pl_}.Trainer", "_default_root_dir", trainer)
+    yield PrivateName(f"{pl_}.Trainer", f"{CHECKPOINT_CONNECTOR}.dump_checkpoint", trainer)
     yield PrivateName(f"{pl_}.loggers.CSVLogger", "_root_dir", _logger(ns, "CSVLogger"))
     yield PrivateName(f"{pl_}.loggers.CSVLogger", "_save_dir", _logger(ns, "CSVLogger"))
     yield PrivateName(f"{pl_}.loggers.TensorBoardLogger", "_root_dir", _logger(ns, "TensorBoardLogger"))
@@ -187,6 +204,7 @@ def _private_names(ns: Namespace) -> Iterator[PrivateName]:
         yield PrivateName(f"{pl_}.strategies.DDPStrategy", name, _ddp_strategy(ns))
     for _, path in FIT_PROGRESS + FIT_COUNTERS:
         yield PrivateName(f"{pl_}.Trainer.fit_loop", path, lambda: trainer().fit_loop)
+    yield PrivateName(f"{pl_}.Trainer.fit_loop", "epoch_loop.batch_progress.is_last_batch", lambda: trainer().fit_loop)
     for where, needs, attributes, owner in logger_owners(ns):
         for name in attributes:
             yield PrivateName(where, name, owner, needs)

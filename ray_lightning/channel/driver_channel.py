@@ -7,7 +7,8 @@ driver as soon as it arrives (it waits on the channel and on the workers togethe
 polling), in the order sent, and runs whatever is left before ``fit`` returns.
 
 The channel is a :class:`ray.util.queue.Queue` (an extra actor, kept with the worker group). It
-also carries each rank's progress reports (:mod:`.heartbeat`) to the launcher's watchdog.
+also carries each rank's progress reports (:mod:`.heartbeat`) to the launcher's watchdog, and rank 0's
+recovery checkpoints (:func:`send_object_to_driver`) to the launcher's recovery.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from typing import Any
 import ray
 from ray import cloudpickle
 from ray.util.queue import Queue
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ray_lightning import runtime
 from ray_lightning.channel.heartbeat import ProgressReport
 
 _END = "ray_lightning: end of driver calls"
+_OBJECT = "ray_lightning.object"
 
 
 def send_to_driver(function: Callable[..., Any], *args: Any) -> None:
@@ -41,17 +43,37 @@ def send_to_driver(function: Callable[..., Any], *args: Any) -> None:
         queue.put(cloudpickle.dumps((function, args)))
 
 
+def send_object_to_driver(header: Any, value: Any) -> None:
+    """Hand ``value`` to the driver through the object store; ``header`` (small, plain data) says what it is.
+
+    The reference travels inside the queue's message, so Ray counts the driver's borrow: the value
+    stays readable until the driver has taken it (or this process dies; the driver then keeps what
+    it had). Only the reference passes through the queue actor, never the bytes. The driver's
+    ``DriverChannel.on_object`` receives ``(header, ref)``.
+    """
+    context = runtime.current_context()
+    if context is None or context.driver_queue is None:
+        raise RuntimeError("send_object_to_driver is called in a ray_lightning worker during a call.")
+    # A blocking put: the queue holds its borrow of the reference before this process lets go of it.
+    context.driver_queue.put((_OBJECT, cloudpickle.dumps(header), [ray.put(value)]))
+
+
 class DriverChannel:
     """The driver's end: a queue actor, and the one ``get`` in flight that the launcher waits on."""
 
-    def __init__(self) -> None:
+    def __init__(self, node_id: str | None = None) -> None:
         # No CPU, and outside any placement group the driver runs in (a Tune trial's), so the
-        # queue never takes a worker's reservation or waits for one.
-        outside = PlacementGroupSchedulingStrategy(placement_group=None)
-        self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": outside})
+        # queue never takes a worker's reservation or waits for one. On the driver's node when it
+        # is one (``node_id``): the queue then outlives any worker's node, and with it the call.
+        where: Any = PlacementGroupSchedulingStrategy(placement_group=None)
+        if node_id is not None:
+            where = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": where})
         self._pending: ray.ObjectRef | None = None
         # Where the ranks' progress reports go (the launcher's watchdog); dropped when None.
         self.on_progress: Callable[[ProgressReport], None] | None = None
+        # Where objects sent with send_object_to_driver go: (header, reference); dropped when None.
+        self.on_object: Callable[[Any, ray.ObjectRef], None] | None = None
 
     def next_call(self) -> ray.ObjectRef:
         """A reference that becomes ready when a worker has sent the next call."""
@@ -64,21 +86,28 @@ class DriverChannel:
         """Run the call (or record the progress report) that :meth:`next_call` became ready with."""
         self._run(self._take())
 
-    def run_remaining(self) -> None:
-        """After the workers finished (their puts are done): run every call still queued."""
-        self.queue.put(_END)
-        while (item := self._take()) != _END:
+    def run_remaining(self, timeout_s: float | None = None) -> None:
+        """After the workers finished (their puts are done): run every call still queued.
+
+        ``timeout_s`` bounds each wait for the queue (after a failure, its node may be gone).
+        """
+        ray.get(self.queue.actor.put.remote(_END, None), timeout=timeout_s)
+        while (item := self._take(timeout_s)) != _END:
             self._run(item)
 
-    def _take(self) -> Any:
+    def _take(self, timeout_s: float | None = None) -> Any:
         ref, self._pending = self.next_call(), None
-        return ray.get(ref)
+        return ray.get(ref, timeout=timeout_s)
 
     def _run(self, item: Any) -> None:
         report = ProgressReport.from_message(item)
         if report is not None:
             if self.on_progress is not None:
                 self.on_progress(report)
+            return
+        if isinstance(item, tuple) and len(item) == 3 and item[0] == _OBJECT:
+            if self.on_object is not None:
+                self.on_object(cloudpickle.loads(item[1]), item[2][0])
             return
         function, args = cloudpickle.loads(item)
         function(*args)

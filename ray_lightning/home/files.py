@@ -16,6 +16,7 @@ The directory attributes rewritten here are Lightning's (:func:`ray_lightning._l
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -159,6 +160,65 @@ def collect(staging: str) -> dict[str, bytes]:
     return files
 
 
+class StagingMirror:
+    """What changed under a staging directory since the last look: sent home with each recovery checkpoint.
+
+    A fit that may restart its workers mirrors rank 0's staged files on the driver as it trains, so
+    the checkpoints of finished epochs are on the driver's machine even if rank 0's node is lost.
+    Files are compared by modification time and size; unchanged ones are not read again.
+    """
+
+    def __init__(self, staging: str) -> None:
+        self._staging = staging
+        self._seen: dict[str, tuple[int, int]] = {}
+
+    def changes(self) -> tuple[dict[str, bytes], list[str]]:
+        """``(files written or changed since the last call, files removed)``, keyed by driver paths."""
+        now: dict[str, tuple[int, int]] = {}
+        for directory, _, names in os.walk(self._staging):
+            for name in names:
+                path = os.path.join(directory, name)
+                with contextlib.suppress(OSError):
+                    if not os.path.islink(path):
+                        info = os.stat(path)
+                        now[path] = (info.st_mtime_ns, info.st_size)
+        changed: dict[str, bytes] = {}
+        for path, signature in now.items():
+            if self._seen.get(path) != signature:
+                with contextlib.suppress(OSError), open(path, "rb") as f:
+                    changed[from_staged(path, self._staging)] = f.read()
+        removed = [from_staged(path, self._staging) for path in self._seen if path not in now]
+        self._seen = now
+        return changed, removed
+
+
+def seed(staging: str, files: dict[str, bytes]) -> None:
+    """Put ``files`` (keyed by driver paths) where rank 0 staged under ``staging`` would have written them.
+
+    A restarted rank 0 then finds what the fit wrote before the failure (a CSV log it appends to,
+    the checkpoints its checkpoint callback may replace), as a rank 0 on the driver's machine does.
+    """
+    for path, data in files.items():
+        target = to_staged(path, staging)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "wb") as f:
+            f.write(data)
+
+
+def recent(directories: Iterable[str], since: float) -> dict[str, bytes]:
+    """The files under ``directories`` modified at or after ``since`` (a ``time.time()``), keyed by path."""
+    found: dict[str, bytes] = {}
+    for root in {_resolved(d) for d in directories}:
+        for directory, _, names in os.walk(root):
+            for name in names:
+                path = os.path.join(directory, name)
+                with contextlib.suppress(OSError):
+                    if not os.path.islink(path) and os.stat(path).st_mtime >= since:
+                        with open(path, "rb") as f:
+                            found[path] = f.read()
+    return found
+
+
 def collect_and_remove(name: str) -> dict[str, bytes]:
     """On rank 0's node: the files of the staging directory ``name``, which is then removed."""
     staging = staging_dir(name)
@@ -256,3 +316,13 @@ def write(files: dict[str, bytes], scope: WriteScope) -> list[str]:
             f.write(data)
         written.append(path)
     return sorted(written)
+
+
+def remove(paths: Iterable[str], scope: WriteScope) -> list[str]:
+    """On the driver: remove files rank 0 removed (a checkpoint its callback replaced), where ``scope`` allows."""
+    removed = []
+    for path in paths:
+        if scope.allows(path) and os.path.isfile(path) and not os.path.islink(path):
+            os.remove(path)
+            removed.append(path)
+    return sorted(removed)

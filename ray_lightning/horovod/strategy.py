@@ -64,6 +64,8 @@ class _HorovodRayStrategy(RayWorkersMixin):
             60 s, ``RAY_LIGHTNING_KEEP_WORKERS_ALIVE_S``; 0: stop after every call), as for ``RayStrategy``.
         progress_timeout_s: a rank without progress for this long stops the call with every rank's
             stack (default 900 s, ``RAY_LIGHTNING_PROGRESS_TIMEOUT_S``; None: off), as for ``RayStrategy``.
+        scale_up_timeout_s, max_failures, recovery_checkpoint_every_n_steps: as for ``RayStrategy``
+            (restarts start Horovod afresh on the new workers).
 
     Example::
 
@@ -88,6 +90,9 @@ class _HorovodRayStrategy(RayWorkersMixin):
         worker_start_timeout_s: float | None = None,
         keep_workers_alive_s: float | None = None,
         progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
+        scale_up_timeout_s: float | None = None,
+        max_failures: int | None = None,
+        recovery_checkpoint_every_n_steps: int | None = None,
     ) -> None:
         workers, hosts = worker_layout(num_workers, num_hosts, num_slots)
         resources = resolve_worker_resources(workers, num_cpus_per_worker, use_gpu, resources_per_worker, hosts)
@@ -95,7 +100,15 @@ class _HorovodRayStrategy(RayWorkersMixin):
         import_horovod_torch()
         self.keep_init_arguments(locals(), {})
         self._init_workers(
-            resources, init_hook, placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s, progress_timeout_s
+            resources,
+            init_hook,
+            placement_timeout_s=placement_timeout_s,
+            worker_start_timeout_s=worker_start_timeout_s,
+            keep_workers_alive_s=keep_workers_alive_s,
+            progress_timeout_s=progress_timeout_s,
+            scale_up_timeout_s=scale_up_timeout_s,
+            max_failures=max_failures,
+            recovery_checkpoint_every_n_steps=recovery_checkpoint_every_n_steps,
         )
         super().__init__(cluster_environment=namespaces.sibling(RayEnvironment, self.namespace)(workers))
         self._failed = False

@@ -5,7 +5,11 @@ Where things are:
 * :mod:`.launcher`: ``RayLauncher``, what Lightning calls instead of re-running ``sys.argv``: the
   steps of a launch, and ``kill``.
 * :mod:`.placement`: can the cluster ever hold the request; the placement group (own or a Tune
-  trial's).
+  trial's), waited for while the autoscaler adds nodes.
+* :mod:`.autoscaler`: what the cluster's autoscaler can add, and what it reports while a request waits for it.
+* :mod:`.recovery`: restarts inside a call (``max_failures``): the driver's newest recovery
+  checkpoint, which failures a restart follows; :mod:`.preemption`: a worker about to go away
+  gets rank 0 to checkpoint first.
 * :mod:`.worker_group`: starts the actors in the placement, runs a call on them, shuts them down
   (one clean-up path, also for a half-started group).
 * :mod:`.actor`: the actor itself (``RayWorker``); :mod:`.call`: what one call does inside it.

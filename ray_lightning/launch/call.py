@@ -29,8 +29,10 @@ from ray_lightning.channel.progress import readable_output
 from ray_lightning.channel.worker_output import end_of_output
 from ray_lightning.home import files, loggers
 from ray_lightning.home.predictions import PredictionRecorder
+from ray_lightning.home.recovery import RecoveryCheckpoints, RestoreRandomStates
 from ray_lightning.home.results import WorkerOutput, collect_worker_output
 from ray_lightning.launch.payload import with_checkpoint_path
+from ray_lightning.launch.preemption import PreemptionWatch, SigtermFirst, where_this_runs
 from ray_lightning.runtime import WorkerContext
 
 if TYPE_CHECKING:
@@ -45,6 +47,7 @@ class WorkerCall:
         self._store = store
         self._strategy: Any = None
         self._saved_environment: dict[str, str] = {}
+        self._watch: PreemptionWatch | None = None
 
     def run(self, payload: ray.ObjectRef) -> WorkerOutput | None:
         """Run the Trainer function the payload holds; returns what this rank sends home."""
@@ -57,8 +60,9 @@ class WorkerCall:
         heartbeat = None
         if context.progress_interval_s is not None and context.driver_queue is not None:
             heartbeat = Heartbeat(context.rank.global_rank, context.driver_queue, context.progress_interval_s)
+        self._watch = PreemptionWatch(context.recovery, context.rank.global_rank, where_this_runs())
         try:
-            with runtime.activated(context, heartbeat):
+            with runtime.activated(context, heartbeat), self._watch:
                 if heartbeat is not None:
                     heartbeat.start()
                 runtime.mark_progress("unpickling the Trainer and module", startup=True)
@@ -78,6 +82,7 @@ class WorkerCall:
             staging = files.staging_dir(context.staging_name) if context.staging_name else None
             if staging is not None:
                 files.stage(trainer, staging)
+            _add_recovery(trainer, context, staging)
             self._strategy = strategy = trainer.strategy
             strategy.attach_worker(context, self._store)
             if strategy.init_hook is not None:
@@ -89,6 +94,7 @@ class WorkerCall:
                 trainer.callbacks.append(recorder)
             if context.progress_interval_s is not None:
                 trainer.callbacks.append(HeartbeatCallback())
+            trainer.callbacks.append(SigtermFirst(self._watch))
             rank_zero = context.rank.global_rank == 0
             logging_runs = loggers.in_worker(trainer, staging)  # rank 0 closes its runs before they are collected
             with readable_output(rank_zero, progress_to_driver=context.driver_queue is not None), logging_runs:
@@ -116,6 +122,23 @@ class WorkerCall:
         gc.collect()
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # a waiting worker should not hold cached GPU memory
+
+
+def _add_recovery(trainer: pl.Trainer, context: WorkerContext, staging: str | None) -> None:
+    """A fit that may restart: after a restart, the random states and (rank 0) what it wrote before;
+    rank 0 sends checkpoints."""
+    plan = context.recovery
+    if plan is None or trainer.state.fn != namespaces.FITTING:
+        return
+    if plan.random_states is not None:
+        trainer.callbacks.append(RestoreRandomStates(plan.random_states))
+    if context.rank.global_rank != 0:
+        return
+    if staging is not None and plan.seed is not None:
+        files.seed(staging, ray.get(plan.seed))
+    if plan.attempt > 0:
+        loggers.continue_logs(trainer, plan.log_step)
+    trainer.callbacks.append(RecoveryCheckpoints(plan.every_n_steps, staging))
 
 
 def _local_checkpoint(checkpoint: runtime.CheckpointFile, scratch: contextlib.ExitStack) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ray_lightning.config import FORWARDED_ENV_PREFIXES, NOT_FORWARDED_ENV
@@ -18,7 +18,7 @@ from ray_lightning.home.files import StagingArea
 from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.rendezvous import RendezvousPoint
 from ray_lightning.launch.session import driver_sys_path
-from ray_lightning.runtime import CheckpointFile, TorchFlags, WorkerContext
+from ray_lightning.runtime import CheckpointFile, RecoveryPlan, TorchFlags, WorkerContext
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,11 @@ def build_contexts(
     staging: StagingArea | None,
     checkpoint: tuple[CheckpointFile | None, CheckpointFile | None] = (None, None),
     call: CallSettings = CallSettings(),
+    recovery: RecoveryPlan | None = None,
 ) -> list[WorkerContext]:
     """One context per actor (actor order). ``checkpoint``: the ``ckpt_path`` file for workers on the
-    driver's machine and for the others (:func:`ray_lightning.launch.payload.checkpoint_files`)."""
+    driver's machine and for the others (:func:`ray_lightning.launch.payload.checkpoint_files`).
+    ``recovery``: what the workers do for restarts (its ``seed`` goes to rank 0 alone)."""
     node_ids = [i.node_id for i in infos]
     gpu_ids = [i.gpu_ids for i in infos]
     devices = assign_cuda_devices(node_ids, gpu_ids)
@@ -84,6 +86,7 @@ def build_contexts(
             progress_interval_s=call.progress_interval_s,
             output_marker=call.marker_of(rank.global_rank),
             num_machines=len({i.node_ip for i in infos}),
+            recovery=recovery if recovery is None or rank.global_rank == 0 else replace(recovery, seed=None),
         )
         for rank, info, (visible, index) in zip(ranks, infos, devices)
     ]

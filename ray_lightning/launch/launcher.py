@@ -19,7 +19,9 @@ For every ``fit``/``validate``/``test``/``predict`` it
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -33,6 +35,7 @@ from ray_lightning.home import files, loggers
 from ray_lightning.home.predictions import merge_predictions
 from ray_lightning.home.results import WorkerOutput, apply_to_driver
 from ray_lightning.launch import idle_pool
+from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.contexts import (
     CallSettings,
     build_contexts,
@@ -41,8 +44,9 @@ from ray_lightning.launch.contexts import (
     progress_interval,
 )
 from ray_lightning.launch.payload import check_checkpoint_exists, checkpoint_argument, checkpoint_files, put_payload
-from ray_lightning.launch.placement import OwnPlacement, TrialPlacement, alive_node_resources, check_cluster_can_hold
+from ray_lightning.launch.placement import TrialPlacement, reserve_own_placement
 from ray_lightning.launch.protocol import LaunchedStrategy
+from ray_lightning.launch.recovery import Recovery
 from ray_lightning.launch.session import driver_node_id, ensure_ray_initialized
 from ray_lightning.launch.watchdog import Watchdog
 from ray_lightning.launch.worker_group import WorkerGroup
@@ -68,6 +72,9 @@ class RayLauncher(*_lightning.launcher_bases()):
         # Where rank 0 stages its files while a call whose rank 0 is off the driver's machine runs.
         self._staging: files.StagingArea | None = None
         self._scope = files.WriteScope()
+        self._seed_directories: list[str] = []
+        # Where each rank of the running attempt is: the driver names the node of a failed rank.
+        self._nodes: dict[int, NodeInfo] = {}
         # Files the last launch copied from rank 0's node onto the driver's machine.
         self.transferred_files: list[str] = []
 
@@ -86,11 +93,28 @@ class RayLauncher(*_lightning.launcher_bases()):
             _fix_output_locations(trainer)
         # Where the files rank 0 sends back may land, as the driver has it now.
         self._scope = files.WriteScope.of(trainer, loggers.output_directories(trainer) if trainer else ())
+        self._seed_directories = _seed_directories(trainer)
         checkpoint = checkpoint_argument(function, args, kwargs, trainer)
         payload = put_payload(trainer, function, args, kwargs)
-        group = self._acquire_group()
-        outputs = self._run(group, payload, checkpoint)
-        return self._bring_home(outputs, trainer)
+        recovery = Recovery(self._strategy.recovery, self._scope, self._strategy.restarts)
+        self.transferred_files = []
+        try:
+            outputs = self._attempts(payload, checkpoint, recovery)
+            return self._bring_home(outputs, trainer, recovery)
+        finally:
+            recovery.close()
+
+    def _attempts(self, payload: ray.ObjectRef, checkpoint: str | None, recovery: Recovery) -> list[Any]:
+        """Run the call until it succeeds, restarting its workers after failures a restart can fix."""
+        while True:
+            try:
+                return self._run(self._acquire_group(), payload, recovery.checkpoint(checkpoint), recovery)
+            except BaseException as error:
+                if not recovery.restart_after(error, self._nodes):
+                    final = recovery.final_error(error)
+                    if final is error:
+                        raise
+                    raise final from error.__cause__
 
     @override
     def kill(self, signum: Any) -> None:
@@ -99,28 +123,35 @@ class RayLauncher(*_lightning.launcher_bases()):
 
     def _acquire_group(self) -> WorkerGroup:
         """The workers for this call: a Tune trial's bundles, the last call's idle workers, or new ones."""
-        request = self._strategy.resources
+        strategy = self._strategy
+        request = strategy.resources
         enclosing = get_current_placement_group()
         if enclosing is not None:
-            return WorkerGroup.start(TrialPlacement.within(enclosing, request), request)
+            # After a node loss, the trial's lost bundles are placed again (maybe on a node the autoscaler adds).
+            wait_s = max(strategy.placement_timeout_s, strategy.scale_up_timeout_s)
+            return WorkerGroup.start(TrialPlacement.within(enclosing, request, wait_s), request)
         group = idle_pool.take(request)
         if group is None:
-            check_cluster_can_hold(request, alive_node_resources())
-            group = WorkerGroup.start(OwnPlacement.reserve(request, self._strategy.placement_timeout_s), request)
+            say = namespaces.of(strategy).pl("utilities.rank_zero.rank_zero_info")
+            placement = reserve_own_placement(request, strategy.placement_timeout_s, strategy.scale_up_timeout_s, say)
+            group = WorkerGroup.start(placement, request)
         return group
 
-    def _run(self, group: WorkerGroup, payload: ray.ObjectRef, checkpoint: str | None) -> list[WorkerOutput | None]:
+    def _run(
+        self, group: WorkerGroup, payload: ray.ObjectRef, checkpoint: str | None, recovery: Recovery
+    ) -> list[WorkerOutput | None]:
         strategy = self._strategy
-        self._group, self._staging = group, None
+        self._group, self._staging, self._nodes = group, None, {}
         succeeded = False
         try:
             channel = group.channel()
+            channel.on_object = recovery.receive
             call = CallSettings(
                 channel.queue,
                 progress_interval(strategy.worker_start_timeout_s, strategy.progress_timeout_s),
                 output_sync.new_marker(),
             )
-            contexts = self._contexts(group, call, checkpoint)
+            contexts = self._contexts(group, call, checkpoint, recovery)
             watchdog = Watchdog(
                 [r.global_rank for r in group.ranks],
                 group.infos,
@@ -130,6 +161,8 @@ class RayLauncher(*_lightning.launcher_bases()):
             try:
                 outputs = group.run(payload, contexts, channel, watchdog)
             except RayWorkerError as error:
+                if recovery.enabled:
+                    _take_last_checkpoint(channel)
                 if not isinstance(error, WorkerHangError):  # a stuck rank writes no marker
                     _wait_for_output(call, [error.rank], _FAILED_OUTPUT_WAIT_S)
                 raise
@@ -143,13 +176,16 @@ class RayLauncher(*_lightning.launcher_bases()):
             else:
                 group.shutdown()
             if not succeeded and self._staging is not None:
-                self._fetch_staged_files()
+                recovery.synced.update(self._fetch_staged_files())
         return outputs
 
-    def _contexts(self, group: WorkerGroup, call: CallSettings, checkpoint: str | None) -> list[WorkerContext]:
+    def _contexts(
+        self, group: WorkerGroup, call: CallSettings, checkpoint: str | None, recovery: Recovery
+    ) -> list[WorkerContext]:
         """Each worker's rank, device and rendezvous, from where the actors landed."""
         timeout_s = self._strategy.worker_start_timeout_s
         infos = group.node_infos(timeout_s)
+        self._nodes = {r.global_rank: info for r, info in zip(group.ranks, infos)}
         point = group.open_rendezvous(self._strategy.rendezvous, nodes_by_rank(group.ranks, infos), timeout_s)
         driver_node = driver_node_id()
         rank_zero_node = nodes_by_rank(group.ranks, infos)[0]
@@ -162,13 +198,22 @@ class RayLauncher(*_lightning.launcher_bases()):
         )
         rank_zero_info = namespaces.of(self._strategy).pl("utilities.rank_zero.rank_zero_info")
         rank_zero_info(describe_placement(self._strategy.resources.describe(), group.ranks, infos, group.calls > 0))
-        return build_contexts(group.ranks, infos, point, driver_node, self._staging, shipped, call)
+        plan = recovery.plan(infos)
+        if plan is not None and self._staging is not None and recovery.restarts:
+            # A restarted rank 0 that stages starts from what this call wrote so far (logs it appends to).
+            plan = replace(plan, seed=ray.put(recovery.seed_files(self._seed_directories)))
+        return build_contexts(group.ranks, infos, point, driver_node, self._staging, shipped, call, plan)
 
-    def _bring_home(self, outputs: list[WorkerOutput | None], trainer: pl.Trainer | None) -> Any:
+    def _bring_home(self, outputs: list[WorkerOutput | None], trainer: pl.Trainer | None, recovery: Recovery) -> Any:
         rank_zero = next(o for o in outputs if o is not None and o.trainer_state is not None)
         if trainer is None:
             return rank_zero.results
-        self.transferred_files = apply_to_driver(trainer, rank_zero, self._scope)
+        written = apply_to_driver(trainer, rank_zero, self._scope)
+        if rank_zero.staged:
+            # What rank 0 mirrored here during the call and no longer had at its end, it removed.
+            files.remove(recovery.synced - set(rank_zero.files), self._scope)
+        self.transferred_files = sorted((set(self.transferred_files) | recovery.synced | set(written)) - {""})
+        self.transferred_files = [p for p in self.transferred_files if os.path.isfile(p)]
         if self.transferred_files:
             log.info("ray_lightning: copied %s from rank 0's node to this machine", ", ".join(self.transferred_files))
         if trainer.state.fn == namespaces.PREDICTING:
@@ -178,7 +223,7 @@ class RayLauncher(*_lightning.launcher_bases()):
             return merge_predictions(per_rank, rank_zero.num_predict_dataloaders)
         return rank_zero.results
 
-    def _fetch_staged_files(self) -> None:
+    def _fetch_staged_files(self) -> list[str]:
         """After a failure: copy what rank 0 had written on its node (checkpoints, logs) to the driver."""
         assert self._staging is not None
         area, self._staging = self._staging, None
@@ -186,15 +231,17 @@ class RayLauncher(*_lightning.launcher_bases()):
             written = files.fetch_after_failure(area, self._strategy.worker_start_timeout_s, self._scope)
         except Exception as error:  # noqa: BLE001 - the node may be gone; the failure itself is what matters
             log.warning("ray_lightning: could not fetch the files rank 0 wrote before the failure: %s", error)
-            return
-        self.transferred_files = written
+            return []
+        self.transferred_files = sorted(set(self.transferred_files) | set(written))
         if written:
             log.warning("ray_lightning: copied what rank 0 wrote before the failure: %s", ", ".join(written))
+        return written
 
     def __getstate__(self) -> dict:
         # Shipped to the workers inside the Trainer: actor handles stay on the driver.
         state = self.__dict__.copy()
         state["_group"] = state["_staging"] = None
+        state["_nodes"] = {}
         return state
 
 
@@ -207,3 +254,20 @@ def _wait_for_output(call: CallSettings, ranks: list[int], timeout_s: float) -> 
 def _fix_output_locations(trainer: pl.Trainer) -> None:
     """On the driver: settle where rank 0 writes and which logger runs it continues (``home.loggers``)."""
     loggers.prepare_on_driver(trainer)
+
+
+def _take_last_checkpoint(channel: Any) -> None:
+    """After a failure: read what rank 0 sent before it (a recovery checkpoint may be on its way)."""
+    try:
+        channel.run_remaining(timeout_s=_FAILED_OUTPUT_WAIT_S)
+    except Exception as error:  # noqa: BLE001 - the queue's node may be gone; keep the checkpoint before
+        log.debug("ray_lightning: the driver channel could not be read after the failure: %s", error)
+
+
+def _seed_directories(trainer: pl.Trainer | None) -> list[str]:
+    """Where this call's own logs and checkpoints go (the loggers' version directories, checkpoint folders)."""
+    if trainer is None:
+        return []
+    found = [getattr(logger, "log_dir", None) for logger in trainer.loggers]
+    found += [getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks]
+    return [os.fspath(d) for d in found if isinstance(d, (str, os.PathLike)) and os.path.isdir(d)]

@@ -17,7 +17,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from ray_lightning.config import DEATH_GRACE_S
-from ray_lightning.errors import RayWorkerError
+from ray_lightning.errors import RayWorkerError, WorkerDiedError
 from ray_lightning.home.results import WorkerOutput
 from ray_lightning.launch.stacks import collect_stacks
 from ray_lightning.launch.watchdog import Watchdog
@@ -49,7 +49,7 @@ def wait_for_outputs(
             _check(watchdog, infos)
             continue
         if channel is not None and channel.next_call() in done:
-            channel.run_next()
+            _run_driver_call(channel)
             continue
         for ref in done:
             i = pending.pop(ref)
@@ -63,6 +63,18 @@ def wait_for_outputs(
                 _raise_death_behind(pending, ranks, infos)
                 raise worker_failure(ranks[i], _info(infos, i), error, died=False) from _cause(error)
     return outputs
+
+
+def _run_driver_call(channel: DriverChannel) -> None:
+    try:
+        channel.run_next()
+    except RayActorError as error:
+        # The queue actor lives on the driver's node; under Ray Client, on some node of the cluster.
+        raise WorkerDiedError(
+            f"ray_lightning's channel from the workers to this process (a queue actor) died, with its node: {error}. "
+            "All workers have been stopped.",
+            rank=-1,
+        ) from None
 
 
 def _check(watchdog: Watchdog | None, infos: Sequence[NodeInfo]) -> None:
@@ -97,11 +109,10 @@ def worker_failure(rank: int, info: NodeInfo | None, error: Exception, died: boo
             f"ray_lightning worker rank {rank} ({where}) died unexpectedly (killed, out of memory, or "
             f"its node failed): {error}. All workers have been stopped."
         )
-    else:
-        trace = getattr(error, "traceback_str", None) or str(error)
-        message = (
-            f"ray_lightning worker rank {rank} ({where}) raised an exception. All workers have been stopped.\n{trace}"
-        )
+        # Ray says so when the node was drained for preemption (a spot instance taken back).
+        return WorkerDiedError(message, rank=rank, preempted=bool(getattr(error, "preempted", False)))
+    trace = getattr(error, "traceback_str", None) or str(error)
+    message = f"ray_lightning worker rank {rank} ({where}) raised an exception. All workers have been stopped.\n{trace}"
     return RayWorkerError(message, rank=rank)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ray_lightning.config import WorkerResources
+from ray_lightning.config import RecoverySettings, WorkerResources
 from ray_lightning.launch.rendezvous import Rendezvous
 from ray_lightning.runtime import WorkerContext
 
@@ -22,6 +22,9 @@ class LaunchedStrategy(Protocol):
     worker_start_timeout_s: float
     keep_workers_alive_s: float
     progress_timeout_s: float | None
+    scale_up_timeout_s: float
+    recovery: RecoverySettings
+    restarts: list[Any]
 
     @property
     def rendezvous(self) -> Rendezvous:

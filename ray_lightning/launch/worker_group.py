@@ -25,7 +25,7 @@ from ray_lightning.launch.actor import NodeInfo, RayWorker
 from ray_lightning.launch.placement import Placement
 from ray_lightning.launch.poll import wait_for_outputs
 from ray_lightning.launch.rendezvous import Rendezvous, RendezvousPoint
-from ray_lightning.launch.session import ray_session
+from ray_lightning.launch.session import driver_node_id, ray_session
 from ray_lightning.launch.watchdog import Watchdog
 from ray_lightning.runtime import WorkerContext
 
@@ -72,7 +72,7 @@ class WorkerGroup:
     def channel(self) -> DriverChannel:
         """The queue workers send driver calls through; made on first use, kept as long as the group."""
         if self._channel is None:
-            self._channel = DriverChannel()
+            self._channel = DriverChannel(driver_node_id())
         return self._channel
 
     def node_infos(self, timeout_s: float) -> list[NodeInfo]:

@@ -121,6 +121,17 @@ class _RayStrategy(RayWorkersMixin):
             phase and every rank's Python stack. Default 900 s, or ``RAY_LIGHTNING_PROGRESS_TIMEOUT_S``
             (``none`` switches it off); None switches it off. The phases before training (start,
             ``init_hook``, rendezvous) are bounded by ``worker_start_timeout_s`` instead.
+        scale_up_timeout_s: on a cluster whose autoscaler can add nodes the workers need, how long to
+            wait for them (the driver logs what is pending meanwhile). Default 900 s, or
+            ``RAY_LIGHTNING_SCALE_UP_TIMEOUT_S``.
+        max_failures: how many times one ``fit`` (or ``validate``/``test``/``predict``) may restart its
+            workers after a worker process dies, its node is lost or preempted, or a collective breaks
+            because of it; the new workers resume from the newest recovery checkpoint. Exceptions raised
+            by your code are not retried. Default 0 (a failure ends the call), or
+            ``RAY_LIGHTNING_MAX_FAILURES``.
+        recovery_checkpoint_every_n_steps: with ``max_failures > 0``, rank 0 sends the driver a
+            checkpoint at every epoch boundary, and also every this many optimizer steps when set.
+            Default None (epoch boundaries only), or ``RAY_LIGHTNING_RECOVERY_CHECKPOINT_EVERY_N_STEPS``.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` and from there to
             ``DistributedDataParallel`` (``find_unused_parameters=True``, ``static_graph=True``, ...).
 
@@ -144,6 +155,9 @@ class _RayStrategy(RayWorkersMixin):
         worker_start_timeout_s: float | None = None,
         keep_workers_alive_s: float | None = None,
         progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
+        scale_up_timeout_s: float | None = None,
+        max_failures: int | None = None,
+        recovery_checkpoint_every_n_steps: int | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         resources = resolve_worker_resources(num_workers, num_cpus_per_worker, use_gpu, resources_per_worker)
@@ -152,10 +166,13 @@ class _RayStrategy(RayWorkersMixin):
         self._init_workers(
             resources,
             init_hook,
-            placement_timeout_s,
-            worker_start_timeout_s,
-            keep_workers_alive_s,
-            progress_timeout_s,
+            placement_timeout_s=placement_timeout_s,
+            worker_start_timeout_s=worker_start_timeout_s,
+            keep_workers_alive_s=keep_workers_alive_s,
+            progress_timeout_s=progress_timeout_s,
+            scale_up_timeout_s=scale_up_timeout_s,
+            max_failures=max_failures,
+            recovery_checkpoint_every_n_steps=recovery_checkpoint_every_n_steps,
         )
         # The arguments set here by name are the ones RayStrategy decides; naming them also keeps
         # LightningCLI/jsonargparse, which follows **ddp_kwargs into DDPStrategy, from offering them.

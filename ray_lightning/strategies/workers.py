@@ -20,7 +20,13 @@ from typing_extensions import override
 
 from ray_lightning import namespaces
 from ray_lightning._lightning import LightningStrategyHooks
-from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, WorkerResources, WorkerTimeouts, check_init_hook
+from ray_lightning.config import (
+    DEFAULT_PROGRESS_TIMEOUT_S,
+    RecoverySettings,
+    WorkerResources,
+    WorkerTimeouts,
+    check_init_hook,
+)
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.launch.launcher import RayLauncher
 from ray_lightning.launch.rendezvous import Rendezvous, TorchStoreRendezvous
@@ -45,15 +51,19 @@ class RayWorkersMixin(LightningStrategyHooks):
         self,
         resources: WorkerResources,
         init_hook: Callable[[], Any] | None,
-        placement_timeout_s: float | None,
-        worker_start_timeout_s: float | None,
-        keep_workers_alive_s: float | None,
+        *,
+        placement_timeout_s: float | None = None,
+        worker_start_timeout_s: float | None = None,
+        keep_workers_alive_s: float | None = None,
         progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
+        scale_up_timeout_s: float | None = None,
+        max_failures: int | None = None,
+        recovery_checkpoint_every_n_steps: int | None = None,
     ) -> None:
         """Validate and keep the worker description; call before the Lightning strategy's ``__init__``."""
         check_init_hook(init_hook)
         timeouts = WorkerTimeouts.resolve(
-            placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s, progress_timeout_s
+            placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s, progress_timeout_s, scale_up_timeout_s
         )
         self.resources = resources
         self.init_hook = init_hook
@@ -61,8 +71,17 @@ class RayWorkersMixin(LightningStrategyHooks):
         self.worker_start_timeout_s = timeouts.start_s
         self.keep_workers_alive_s = timeouts.keep_alive_s
         self.progress_timeout_s = timeouts.progress_s
+        self.scale_up_timeout_s = timeouts.scale_up_s
+        self.recovery = RecoverySettings.resolve(max_failures, recovery_checkpoint_every_n_steps)
+        # Every restart of this strategy's workers inside its calls (ray_lightning.launch.recovery.Restart).
+        self.restarts: list[Any] = []
         self._worker: WorkerContext | None = None
         self._rendezvous_store: Any = None
+
+    @property
+    def max_failures(self) -> int:
+        """How many times one call may restart its workers (``max_failures``)."""
+        return self.recovery.max_failures
 
     def keep_init_arguments(self, arguments: dict[str, Any], var_keyword: dict[str, Any]) -> None:
         """Keep the constructor's arguments (from its ``locals()``): a Trainer of the other Lightning

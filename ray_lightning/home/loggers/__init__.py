@@ -124,6 +124,14 @@ def _close(trainer: pl.Trainer, staged_runs: list[mlflow_store.StagedRun | None]
             mlflow_store.leave(staged)
 
 
+def continue_logs(trainer: pl.Trainer, before_step: int | None) -> None:
+    """In rank 0 of a restarted fit: keep what the loggers wrote before the restart (CSV rows
+    logged before step ``before_step``; the later ones are logged again)."""
+    for logger in trainer.loggers:
+        if isinstance(logger, namespaces.every("loggers.CSVLogger")):
+            lightning.continue_csv_log(logger, before_step)
+
+
 def states_for_driver(trainer: pl.Trainer, staging: str | None) -> list[dict[str, Any]]:
     """In rank 0: what each logger's copy on the driver takes over (checkpoints logged as artifacts)."""
     states = [lightning.state_for_driver(logger) for logger in trainer.loggers]

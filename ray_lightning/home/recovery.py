@@ -1,0 +1,161 @@
+"""Rank 0's recovery checkpoints: what a fit that may restart its workers resumes from.
+
+When ``max_failures > 0``, rank 0 sends the driver a full Lightning checkpoint (what
+``trainer.save_checkpoint`` writes: weights, optimizers, schedulers, loops, callbacks) at every
+epoch boundary, every ``recovery_checkpoint_every_n_steps`` optimizer steps if set, and at once
+when a worker's process or node is about to go away (:mod:`ray_lightning.launch.preemption`).
+The driver keeps the newest on its own machine (:mod:`ray_lightning.launch.recovery`): no shared
+filesystem is needed, and the checkpoint survives rank 0's node.
+
+Decisions:
+
+* The epoch's checkpoint is taken in ``on_train_epoch_end``, after every other callback's (it is a
+  ``Checkpoint``, which Lightning calls after the others, and it moves itself to the end of the
+  list): the state a ``ModelCheckpoint(save_on_train_epoch_end=True)`` file has, from which
+  Lightning resumes at the next epoch exactly (the same batches, and the same weights for a
+  deterministic module: checked from Lightning 2.4 to 2.6). The next epoch's start would not do:
+  Lightning 2.6 takes a checkpoint from there as a finished epoch and skips it.
+* Rank 0 alone takes it: under DDP and Horovod every rank holds the same weights and optimizer
+  state, and nothing here waits for the other ranks.
+* Lightning's checkpoints hold no random generator state: rank 0 sends its generators' states as
+  the first step after a checkpoint starts, and a restarted fit sets them on every rank at its
+  first step (:class:`RestoreRandomStates`), so dropout draws the masks it would have drawn.
+* No step checkpoint on an epoch's last batch (Lightning would skip that epoch's end on resume):
+  the epoch's own checkpoint follows a moment later.
+* With each checkpoint, a rank 0 that writes into a staging directory (off the driver's machine)
+  also sends what it wrote or removed there since the last one (:class:`~.files.StagingMirror`):
+  the checkpoint files of finished epochs reach the driver even if rank 0's node is lost.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from typing_extensions import override
+
+from ray_lightning import _lightning, namespaces, runtime
+from ray_lightning.channel.driver_channel import send_object_to_driver
+from ray_lightning.home.files import StagingMirror
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+EPOCH = "epoch boundary"
+
+
+class RecoveryCheckpoints(*namespaces.bases("callbacks.Checkpoint")):
+    """Sends recovery checkpoints to the driver: added to rank 0's Trainer by the worker.
+
+    A ``Checkpoint`` callback of every installed Lightning namespace (:func:`ray_lightning.namespaces.bases`).
+    """
+
+    def __init__(self, every_n_steps: int | None, staging: str | None) -> None:
+        self._every_n_steps = every_n_steps
+        self._mirror = StagingMirror(staging) if staging is not None else None
+        self._last_step = -1  # the step of the newest checkpoint sent
+        self._request: str | None = None  # why a checkpoint was asked for, until it is taken
+        self._random_states_due = False
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # After the callbacks the module configured (Lightning puts checkpoint callbacks last): its
+        # checkpoint then holds what every other callback did at the epoch's end.
+        trainer.callbacks.remove(self)
+        trainer.callbacks.append(self)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._random_states_due:
+            # The random generators as the first step after the checkpoint finds them (dropout's
+            # masks, random augmentation): restored there, the resumed run draws the same numbers.
+            self._random_states_due = False
+            send_object_to_driver({"random_states_for": self._last_step}, random_states())
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._request = _join(self._request, runtime.take_checkpoint_request())
+        if _lightning.is_last_batch(trainer):
+            return  # Lightning skips the epoch's end when resuming from its last batch; the epoch's checkpoint follows
+        step = trainer.global_step
+        due = self._every_n_steps is not None and step % self._every_n_steps == 0 and step != self._last_step
+        if self._request is not None:
+            self._send(trainer, f"preemption: {self._request}", preemption=True)
+        elif due:
+            self._send(trainer, f"every {self._every_n_steps} steps")
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._request is not None:
+            self._send(trainer, f"preemption: {self._request}", preemption=True)
+        else:
+            self._send(trainer, EPOCH)
+
+    def _send(self, trainer: pl.Trainer, reason: str, preemption: bool = False) -> None:
+        self._last_step, self._request = trainer.global_step, None
+        started = time.perf_counter()
+        runtime.mark_progress("training", f"recovery checkpoint ({reason})")
+        buffer = io.BytesIO()
+        torch.save(_lightning.dump_checkpoint(trainer), buffer)
+        changed, removed = self._mirror.changes() if self._mirror is not None else ({}, [])
+        header = {
+            # The epoch the workers resume in: the next one after an epoch's end.
+            "epoch": trainer.current_epoch + (1 if reason == EPOCH else 0),
+            "global_step": trainer.global_step,
+            # The step the loggers log at (a CSV log a restarted rank 0 continues keeps the rows before it).
+            "log_step": _lightning.fit_progress_state(trainer)["batches_that_stepped"],
+            "reason": reason,
+            "preemption": preemption,
+            "seconds": time.perf_counter() - started,
+        }
+        # A numpy array goes into the object store with one copy, and is read there in place.
+        data = np.frombuffer(buffer.getbuffer(), dtype=np.uint8)
+        send_object_to_driver(header, {"checkpoint": data, "files": changed, "removed": removed})
+        self._random_states_due = True
+
+
+class RestoreRandomStates(*namespaces.bases("callbacks.Callback")):
+    """In every rank of a restarted fit: the random generators as they were after the checkpoint, at the first step.
+
+    Lightning's checkpoints hold no random state. Every rank gets rank 0's, which is every rank's
+    when the ranks are seeded alike (``seed_everything``, as Lightning re-seeds every rank).
+    """
+
+    def __init__(self, states: dict[str, Any]) -> None:
+        self._states: dict[str, Any] | None = states
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._states is not None:
+            set_random_states(self._states)
+            self._states = None
+
+
+def random_states() -> dict[str, Any]:
+    """This process's Python, numpy, torch (and CUDA) random generator states."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_random_states(states: dict[str, Any]) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available() and torch.cuda.device_count() == len(states["cuda"]):
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _join(first: str | None, second: str | None) -> str | None:
+    return "; ".join(r for r in (first, second) if r) or None

@@ -1,0 +1,282 @@
+"""Restarts inside one call (``max_failures``): what the driver resumes from, and which failures it restarts after.
+
+The launcher runs a call's attempts (:meth:`ray_lightning.launch.launcher.RayLauncher.launch`);
+:class:`Recovery` is the driver's memory across them. It receives rank 0's recovery checkpoints
+(:mod:`ray_lightning.home.recovery`) and keeps the newest as a file in a private directory on the
+driver's machine, writes the files a staged rank 0 mirrored, decides after a failure whether to
+start the workers again and from which checkpoint, and logs and records each restart
+(``trainer.strategy.restarts``).
+
+Decisions:
+
+* A restart can fix what happened to the workers, not what their code did. It follows: a worker
+  process that died (killed, out of memory, its node lost or preempted), a worker that died while
+  starting, a collective that broke because a peer went away (gloo, NCCL or Horovod connection
+  errors, raised in the survivors), and a worker about to go away once rank 0 has checkpointed
+  for it (:class:`~ray_lightning.errors.WorkerPreemptedError`). An exception raised by the user's
+  code (``training_step``, a callback, a data loader) is not retried: it is almost always
+  deterministic, and running it ``max_failures`` more times would only waste the cluster's time
+  before failing the same way (Ray Train retries everything). Neither is a stuck rank
+  (``WorkerHangError``) nor a cluster too small for the workers (``ClusterResourceError``).
+* Every restart starts a new worker group, on whatever nodes can hold it (the survivors, a
+  replacement the autoscaler brings up, or inside a Tune trial, the trial's own bundles once Ray has
+  placed them again): the survivors of a broken collective may be stuck in it, and a fresh group is
+  the one state known to be clean.
+* The workers resume from the newest recovery checkpoint with Lightning's own ``fit(ckpt_path=...)``,
+  so weights, optimizers, schedulers, loops and callbacks continue where it was taken; before the
+  first one, from the call's own ``ckpt_path`` (or the start).
+* When a call runs out of restarts, the last failure is raised with every earlier one's message
+  (``RayWorkerError.failures``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import ray
+
+from ray_lightning.config import RecoverySettings
+from ray_lightning.errors import (
+    RayWorkerError,
+    WorkerDiedError,
+    WorkerHangError,
+    WorkerPreemptedError,
+    WorkerStartupError,
+)
+from ray_lightning.home import files
+from ray_lightning.launch.actor import NodeInfo
+from ray_lightning.launch.preemption import forget_notice
+from ray_lightning.runtime import RecoveryPlan
+
+log = logging.getLogger(__name__)
+
+# Errors of torch.distributed and Horovod, raised in the ranks that survive a peer's death.
+_COLLECTIVE_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError", "HorovodInternalError")
+_COLLECTIVE_MESSAGES = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "connection refused",
+    "econnreset",
+    "nccl error",
+    "horovod has been shut down",
+    "gloo/transport",
+)
+# Bound on reading a recovery checkpoint rank 0 sent (it travels between nodes once).
+FETCH_TIMEOUT_S = 300.0
+
+
+def restart_reason(error: BaseException) -> str | None:
+    """Why a restart can fix ``error`` (see the module docstring), or None when it cannot."""
+    if isinstance(error, WorkerHangError) or not isinstance(error, RayWorkerError):
+        return None
+    if isinstance(error, WorkerPreemptedError):
+        return "preempted"
+    if isinstance(error, WorkerDiedError):
+        return "node preempted" if error.preempted else "worker died"
+    if isinstance(error, WorkerStartupError):
+        return "worker died while starting"
+    seen: set[int] = set()
+    cause: BaseException | None = error.__cause__
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        text = str(cause).lower()
+        if type(cause).__name__ in _COLLECTIVE_TYPES or any(m in text for m in _COLLECTIVE_MESSAGES):
+            return "collective broken by a peer's loss"
+        cause = cause.__cause__ or cause.__context__
+    if any(m in str(error).lower() for m in _COLLECTIVE_MESSAGES[:5]):
+        return "collective broken by a peer's loss"
+    return None
+
+
+@dataclass(frozen=True)
+class Restart:
+    """One restart of a call's workers, as ``trainer.strategy.restarts`` lists them.
+
+    ``rank`` failed on ``node`` (its IP) because of ``cause`` (the error's first line); the new
+    workers resumed in ``epoch`` after ``global_step`` optimizer steps, from the newest recovery
+    checkpoint (both None: from the call's start). ``failed_at``: when the driver learned of it
+    (``time.time()``); ``reason``: why a restart could fix it.
+    """
+
+    number: int
+    rank: int
+    node: str | None
+    cause: str
+    epoch: int | None
+    global_step: int | None
+    failed_at: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    path: str
+    epoch: int
+    global_step: int
+    log_step: int
+    reason: str
+    random_states: Any = None  # rank 0's generators at the first step after it
+
+
+class Recovery:
+    """The driver's side of one call's restarts (``settings.max_failures`` of them at most)."""
+
+    def __init__(self, settings: RecoverySettings, scope: files.WriteScope, history: list[Restart]) -> None:
+        self.settings = settings
+        self.restarts: list[Restart] = []  # this call's
+        self._history = history  # every call's: ``trainer.strategy.restarts``
+        self._scope = scope
+        self._failures: list[str] = []
+        self._directory: str | None = None
+        self._latest: _Checkpoint | None = None
+        self.notice_key = f"notice-{uuid.uuid4().hex}"
+        self.synced: set[str] = set()  # files a staged rank 0 mirrored onto this machine during the call
+        self.started = time.time()
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.enabled
+
+    def plan(self, infos: Iterable[NodeInfo]) -> RecoveryPlan | None:
+        """What the workers of the next attempt do for recovery (None: nothing)."""
+        if not self.enabled:
+            return None
+        nodes = tuple(dict.fromkeys(info.node_id for info in infos))
+        latest = self._latest if self.restarts else None
+        return RecoveryPlan(
+            self.settings.every_n_steps,
+            self.notice_key,
+            nodes,
+            attempt=len(self.restarts),
+            log_step=latest.log_step if latest is not None else None,
+            random_states=latest.random_states if latest is not None else None,
+        )
+
+    def receive(self, header: dict[str, Any], ref: ray.ObjectRef) -> None:
+        """A recovery checkpoint from rank 0 (the driver channel's ``on_object``): keep it on this machine."""
+        try:
+            value = ray.get(ref, timeout=FETCH_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - rank 0 died while sending: keep the one before
+            log.warning("ray_lightning: could not read the recovery checkpoint rank 0 sent: %s", error)
+            return
+        if "random_states_for" in header:
+            if self._latest is not None and self._latest.global_step == header["random_states_for"]:
+                self._latest = replace(self._latest, random_states=value)
+            return
+        path = self._write_checkpoint(value["checkpoint"])
+        self._latest = _Checkpoint(path, header["epoch"], header["global_step"], header["log_step"], header["reason"])
+        self.synced.update(files.write(value["files"], self._scope))
+        files.remove(value["removed"], self._scope)
+        self.synced.difference_update(value["removed"])
+        log.debug("ray_lightning: recovery checkpoint at epoch %s, step %s", header["epoch"], header["global_step"])
+        if header.get("preemption") and len(self.restarts) < self.settings.max_failures:
+            raise WorkerPreemptedError(
+                f"ray_lightning: {header['reason'].removeprefix('preemption: ')}; rank 0 took a recovery "
+                f"checkpoint at epoch {header['epoch']}, step {header['global_step']}, and the workers move.",
+                rank=0,
+            )
+
+    def _write_checkpoint(self, data: Any) -> str:
+        if self._directory is None:
+            self._directory = tempfile.mkdtemp(prefix="ray_lightning-recovery-")  # private (0700)
+        path = os.path.join(self._directory, "recovery.ckpt")
+        partial = path + ".partial"
+        with open(partial, "wb") as f:
+            f.write(memoryview(data))
+        os.replace(partial, path)  # never half a checkpoint, even if the driver is interrupted
+        return path
+
+    def checkpoint(self, given: str | None) -> str | None:
+        """The ``ckpt_path`` file the next attempt resumes from: the newest recovery checkpoint, else ``given``."""
+        return self._latest.path if self._latest is not None else given
+
+    def restart_after(self, error: BaseException, nodes: dict[int, NodeInfo]) -> bool:
+        """Whether to start the workers again after ``error`` (then the restart is logged and recorded).
+
+        ``nodes``: where each global rank of the failed attempt ran.
+        """
+        reason = restart_reason(error) if self.enabled else None
+        if reason is None or len(self.restarts) >= self.settings.max_failures:
+            return False
+        rank = getattr(error, "rank", -1)
+        info = nodes.get(rank)
+        latest = self._latest
+        restart = Restart(
+            number=len(self.restarts) + 1,
+            rank=rank,
+            node=info.node_ip if info is not None else None,
+            cause=_first_line(error),
+            epoch=latest.epoch if latest else None,
+            global_step=latest.global_step if latest else None,
+            failed_at=time.time(),
+            reason=reason,
+        )
+        self.restarts.append(restart)
+        self._history.append(restart)
+        self._failures.append(str(error))
+        resumed = f"epoch {restart.epoch} after step {restart.global_step}" if latest else "the start of the call"
+        log.warning(
+            "ray_lightning: restarting the workers (%d of max_failures=%d) after rank %d on node %s: %s (%s). "
+            "Resuming in %s.",
+            restart.number,
+            self.settings.max_failures,
+            rank,
+            restart.node or "?",
+            restart.cause,
+            reason,
+            resumed,
+        )
+        return True
+
+    def final_error(self, error: BaseException) -> BaseException:
+        """``error``, with the earlier failures' messages when the call had restarted before."""
+        if not self._failures:
+            return error
+        if not isinstance(error, RayWorkerError):
+            error.args = (f"{error} (while restarting; earlier: {' | '.join(map(_first_line_of, self._failures))})",)
+            return error
+        earlier = "\n".join(f"--- failure {i} (restart {i}) ---\n{text}" for i, text in enumerate(self._failures, 1))
+        final = copy.copy(error)
+        limit = f"max_failures={self.settings.max_failures}"
+        final.args = (
+            f"ray_lightning: the call failed {len(self._failures) + 1} times ({limit}); the last failure:\n"
+            f"{error}\nEarlier failures, each followed by a restart:\n{earlier}",
+        )
+        final.failures = list(self._failures)
+        final.__cause__ = error.__cause__
+        return final
+
+    def seed_files(self, directories: Iterable[str]) -> dict[str, bytes]:
+        """What this call wrote on the driver's side so far: a new staged rank 0 starts from it."""
+        seeds = files.recent(directories, self.started)
+        for path in self.synced:
+            if path not in seeds and os.path.isfile(path):
+                with open(path, "rb") as f:
+                    seeds[path] = f.read()
+        return seeds
+
+    def close(self) -> None:
+        """After the call: remove the recovery checkpoint and the notice key."""
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
+            self._directory = None
+        if self.enabled:
+            forget_notice(self.notice_key)
+
+
+def _first_line(error: BaseException) -> str:
+    return _first_line_of(str(error)) or type(error).__name__
+
+
+def _first_line_of(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""

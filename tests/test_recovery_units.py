@@ -1,0 +1,115 @@
+"""The pure parts of restarts (no Ray): which failures a restart follows, the staging mirror, a continued CSV log."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from pytorch_lightning.loggers import CSVLogger
+
+from ray_lightning._lightning.loggers import continue_csv_log
+from ray_lightning.config import RecoverySettings
+from ray_lightning.errors import (
+    RayWorkerError,
+    WorkerDiedError,
+    WorkerHangError,
+    WorkerPreemptedError,
+    WorkerStartupError,
+)
+from ray_lightning.home.files import StagingMirror, WriteScope, to_staged
+from ray_lightning.home.recovery import random_states, set_random_states
+from ray_lightning.launch.recovery import Recovery, restart_reason
+
+
+def _raised(cause: BaseException) -> RayWorkerError:
+    error = RayWorkerError(f"ray_lightning worker rank 1 raised an exception.\n{cause!r}", rank=1)
+    error.__cause__ = cause
+    return error
+
+
+@pytest.mark.parametrize(
+    "error, reason",
+    [
+        (WorkerDiedError("rank 1 died", rank=1), "worker died"),
+        (WorkerDiedError("rank 1 died", rank=1, preempted=True), "node preempted"),
+        (WorkerStartupError("rank 0 died while starting", rank=0), "worker died while starting"),
+        (WorkerPreemptedError("node going", rank=0), "preempted"),
+        (
+            _raised(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")),
+            "collective broken by a peer's loss",
+        ),
+        (_raised(torch.distributed.DistNetworkError("store went away")), "collective broken by a peer's loss"),
+        (_raised(ValueError("a bug in training_step")), None),
+        (_raised(RuntimeError("CUDA out of memory")), None),
+        (WorkerHangError("stuck", rank=1), None),
+        (KeyboardInterrupt(), None),
+        (TimeoutError("workers did not start"), None),
+    ],
+)
+def test_a_restart_follows_what_happened_to_workers_not_what_their_code_did(error, reason):
+    assert restart_reason(error) == reason
+
+
+def test_errors_keep_their_failures_when_pickled():
+    import pickle
+
+    error = WorkerDiedError("died", rank=2, preempted=True)
+    error.failures = ["first", "second"]
+    copy = pickle.loads(pickle.dumps(error))
+    assert (type(copy), copy.rank, copy.preempted, copy.failures) == (WorkerDiedError, 2, True, ["first", "second"])
+
+
+def test_the_final_error_names_every_failure(tmp_path):
+    recovery = Recovery(RecoverySettings(max_failures=1), WriteScope(), history=[])
+    first = WorkerDiedError("ray_lightning worker rank 1 (node 10.0.0.2) died unexpectedly", rank=1)
+    assert recovery.restart_after(first, {})
+    second = WorkerDiedError("ray_lightning worker rank 0 (node 10.0.0.3) died unexpectedly", rank=0)
+    assert not recovery.restart_after(second, {}), "max_failures=1 allows one restart"
+    final = recovery.final_error(second)
+    assert type(final) is WorkerDiedError and final.rank == 0 and final.failures == [str(first)]
+    assert "failed 2 times (max_failures=1)" in str(final) and "10.0.0.2" in str(final) and "10.0.0.3" in str(final)
+    assert [r.rank for r in recovery.restarts] == [1]
+
+
+def test_without_max_failures_the_error_is_raised_unchanged():
+    recovery = Recovery(RecoverySettings(), WriteScope(), history=[])
+    error = WorkerDiedError("died", rank=1)
+    assert not recovery.restart_after(error, {}) and recovery.final_error(error) is error
+
+
+def test_the_mirror_sends_what_changed_and_what_was_removed(tmp_path):
+    staging = str(tmp_path / "staging")
+    driver_path = str(tmp_path / "run" / "ckpt" / "epoch=0.ckpt")
+    staged = to_staged(driver_path, staging)
+    os.makedirs(os.path.dirname(staged))
+    with open(staged, "wb") as f:
+        f.write(b"zero")
+    mirror = StagingMirror(staging)
+    assert mirror.changes() == ({driver_path: b"zero"}, [])
+    assert mirror.changes() == ({}, []), "unchanged files are not sent again"
+    os.remove(staged)
+    assert mirror.changes() == ({}, [driver_path])
+
+
+def test_a_restarted_csv_log_keeps_the_rows_before_the_checkpoint(tmp_path):
+    first = CSVLogger(tmp_path)
+    first.log_metrics({"loss": 1.0}, step=0)
+    first.log_metrics({"loss": 0.5}, step=1)
+    first.log_metrics({"loss": 0.4}, step=2)  # after the checkpoint: logged again after the restart
+    first.save()
+    restarted = CSVLogger(tmp_path, version=first.version)  # a new process, as a restarted rank 0
+    continue_csv_log(restarted, before_step=2)
+    restarted.log_metrics({"loss": 0.3, "val_loss": 0.2}, step=2)
+    restarted.save()
+    with open(os.path.join(restarted.log_dir, "metrics.csv")) as f:
+        lines = f.read().splitlines()
+    assert lines == ["loss,step,val_loss", "1.0,0,", "0.5,1,", "0.3,2,0.2"]
+
+
+def test_random_states_come_back():
+    states = random_states()
+    expected = torch.rand(3)
+    torch.rand(5)
+    set_random_states(states)
+    assert torch.equal(torch.rand(3), expected)

@@ -1,0 +1,243 @@
+"""Restarts inside one fit (``max_failures``), on the shared local Ray: real killed workers, real SIGTERM.
+
+Multi-node failures (a node removed, a node drained for preemption) are in tests/test_restarts_multinode.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import time
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger
+
+from ray_lightning import RayAccelerator, RayStrategy, RayWorkerError
+from ray_lightning.errors import WorkerDiedError
+from tests.conftest import alive_worker_actors, wait_for
+from tests.models import BoringModel
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+class FailsOnce(BoringModel):
+    """Rank ``rank`` fails at ``batch`` of ``epoch`` the first time only (``marker`` records that it did).
+
+    ``how``: ``kill`` (SIGKILL: the process dies), ``sigterm`` (SIGTERM: it is asked to go),
+    ``raise`` (an exception in the user's code). ``step_s`` slows each step down.
+    """
+
+    def __init__(self, marker: str, how: str = "kill", epoch: int = 1, batch: int = 2, rank: int = 1, step_s=0.0):
+        super().__init__()
+        self.marker, self.how, self.fail_epoch, self.fail_batch, self.fail_rank = marker, how, epoch, batch, rank
+        self.step_s = step_s
+
+    def training_step(self, batch, batch_idx):
+        if self.step_s:
+            time.sleep(self.step_s)  # a step that takes time, as a real one does
+        first_time = not os.path.exists(self.marker)
+        if self.global_rank == self.fail_rank and (self.current_epoch, batch_idx) == (self.fail_epoch, self.fail_batch):
+            if first_time or self.how == "always":
+                with open(self.marker, "w") as f:
+                    f.write(str(self.trainer.global_step))
+                if self.how in ("kill", "always"):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                elif self.how == "sigterm":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                else:
+                    raise ValueError("a bug in training_step")
+        return super().training_step(batch, batch_idx)
+
+
+def _trainer(tmp_path, strategy, **kwargs) -> pl.Trainer:
+    defaults = dict(
+        max_epochs=3,
+        strategy=strategy,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=CSVLogger(tmp_path / "logs"),
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)],
+        log_every_n_steps=1,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)
+
+
+def _reference_weights(tmp_path, strategy_factory=RayStrategy, **kwargs) -> torch.Tensor:
+    """The weights of the same fit without a failure (the marker exists: nothing fails)."""
+    directory = tmp_path / "reference"
+    directory.mkdir()
+    (directory / "marker").write_text("")
+    pl.seed_everything(0)
+    model = FailsOnce(str(directory / "marker"), **kwargs)
+    _trainer(directory, strategy_factory(num_workers=2)).fit(model)
+    return model.layer.weight.detach().clone()
+
+
+def _csv_rows(trainer) -> list[dict]:
+    with open(os.path.join(trainer.logger.log_dir, "metrics.csv"), newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_killed_worker_restarts_and_the_fit_ends_as_without_the_failure(tmp_path):
+    pl.seed_everything(0)
+    marker = tmp_path / "killed"
+    model = FailsOnce(str(marker))
+    trainer = _trainer(tmp_path, RayStrategy(num_workers=2, max_failures=1))
+    trainer.fit(model)
+
+    assert marker.exists(), "the worker was never killed"
+    (restart,) = trainer.strategy.restarts
+    assert (restart.rank, restart.reason, restart.number) == (1, "worker died", 1)
+    # Resumed from epoch 0's checkpoint: 4 steps per epoch (64 samples, batch 8, 2 workers).
+    assert (restart.epoch, restart.global_step) == (1, 4)
+    assert "rank 1" in restart.cause and "died" in restart.cause
+    assert (trainer.current_epoch, trainer.global_step) == (3, 12)
+    assert torch.equal(model.layer.weight, _reference_weights(tmp_path))
+    # Every epoch's checkpoint is there, and the log has each step once, in order.
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "epoch=0-step=4.ckpt",
+        "epoch=1-step=8.ckpt",
+        "epoch=2-step=12.ckpt",
+    ]
+    steps = [int(r["step"]) for r in _csv_rows(trainer) if r["train_loss"]]
+    assert steps == list(range(12))
+    FailsOnce.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)
+    wait_for(lambda: len(alive_worker_actors()) <= 2, 30, "the failed group's actors to be gone")
+
+
+def test_an_exception_in_user_code_is_not_retried(tmp_path):
+    trainer = _trainer(tmp_path, RayStrategy(num_workers=2, max_failures=2))
+    started = time.monotonic()
+    with pytest.raises(RayWorkerError, match="a bug in training_step") as info:
+        trainer.fit(FailsOnce(str(tmp_path / "raised"), how="raise", epoch=0))
+    assert info.value.rank == 1 and info.value.failures == []
+    assert trainer.strategy.restarts == []
+    assert time.monotonic() - started < 120
+
+
+def test_failures_beyond_max_failures_raise_with_every_cause(tmp_path):
+    trainer = _trainer(tmp_path, RayStrategy(num_workers=2, max_failures=1))
+    with pytest.raises(WorkerDiedError) as info:
+        trainer.fit(FailsOnce(str(tmp_path / "killed"), how="always", epoch=0))
+    error = info.value
+    message = str(error)
+    assert "failed 2 times (max_failures=1)" in message
+    assert message.count("rank 1") >= 2 and len(error.failures) == 1 and "died" in error.failures[0]
+    assert len(trainer.strategy.restarts) == 1
+    wait_for(lambda: not alive_worker_actors(), 30, "the failed fit's actors to be gone")
+
+
+def test_step_checkpoints_resume_mid_epoch(tmp_path):
+    pl.seed_everything(0)
+    marker = tmp_path / "killed"
+    trainer = _trainer(tmp_path, RayStrategy(num_workers=2, max_failures=1, recovery_checkpoint_every_n_steps=2))
+    trainer.fit(FailsOnce(str(marker), epoch=1, batch=3))
+    (restart,) = trainer.strategy.restarts
+    # Killed before epoch 1's 4th step (global step 7): the newest checkpoint was after step 6, mid-epoch 1.
+    assert (restart.epoch, restart.global_step) == (1, 6)
+    assert (trainer.current_epoch, trainer.global_step) == (3, 12)
+
+
+def test_sigterm_to_a_worker_makes_rank_zero_checkpoint_before_the_restart(tmp_path, caplog):
+    pl.seed_everything(0)
+    marker = tmp_path / "terminated"
+    trainer = _trainer(tmp_path, RayStrategy(num_workers=2, max_failures=1), max_epochs=2)
+    model = FailsOnce(str(marker), how="sigterm", epoch=0, batch=1, step_s=0.5)
+    model.hparams.size = 160  # 10 steps per epoch: time to checkpoint before the epoch ends
+    with caplog.at_level("WARNING", logger="ray_lightning"):
+        trainer.fit(model)
+    (restart,) = trainer.strategy.restarts
+    assert restart.reason == "preempted" and "received SIGTERM" in restart.cause
+    signalled_at = int(marker.read_text())
+    # Checkpointed within a few steps of the signal, mid-epoch 0: nothing before it is trained again.
+    assert restart.epoch == 0 and signalled_at <= restart.global_step <= signalled_at + 4
+    assert (trainer.current_epoch, trainer.global_step) == (2, 20)
+    assert any("restarting the workers (1 of max_failures=1)" in r.getMessage() for r in caplog.records)
+
+
+def test_max_failures_in_every_form(monkeypatch):
+    assert RayStrategy(num_workers=2).max_failures == 0
+    assert RayAccelerator(num_workers=2, max_failures=3).make_strategy().max_failures == 3
+    monkeypatch.setenv("RAY_LIGHTNING_MAX_FAILURES", "2")
+    monkeypatch.setenv("RAY_LIGHTNING_RECOVERY_CHECKPOINT_EVERY_N_STEPS", "50")
+    strategy = RayStrategy(num_workers=2)
+    assert (strategy.max_failures, strategy.recovery.every_n_steps) == (2, 50)
+    assert RayStrategy(num_workers=2, max_failures=0).max_failures == 0, "the argument wins"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"max_failures": -1}, ValueError, "max_failures must be >= 0"),
+        ({"max_failures": 1.5}, TypeError, "max_failures must be a whole number"),
+        ({"max_failures": True}, TypeError, "max_failures must be a whole number"),
+        ({"recovery_checkpoint_every_n_steps": 0}, ValueError, "recovery_checkpoint_every_n_steps must be >= 1"),
+        ({"scale_up_timeout_s": -5}, ValueError, "scale_up_timeout_s must be a positive number"),
+    ],
+)
+def test_bad_recovery_arguments_fail_in_the_constructor(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        RayStrategy(num_workers=2, **kwargs)
+
+
+def test_a_bad_environment_variable_names_itself(monkeypatch):
+    monkeypatch.setenv("RAY_LIGHTNING_MAX_FAILURES", "many")
+    with pytest.raises(ValueError, match="RAY_LIGHTNING_MAX_FAILURES .* must be a whole number, got 'many'"):
+        RayStrategy(num_workers=2)
+
+
+def test_horovod_restarts_like_ddp(tmp_path):
+    pytest.importorskip("horovod.torch", reason="Horovod is not installed: `python3 dev.py test` builds it")
+    from ray_lightning import HorovodRayStrategy
+
+    pl.seed_everything(0)
+    model = FailsOnce(str(tmp_path / "killed"))
+    trainer = _trainer(tmp_path, HorovodRayStrategy(num_workers=2, max_failures=1))
+    trainer.fit(model)
+    (restart,) = trainer.strategy.restarts
+    assert (restart.rank, restart.epoch, restart.global_step) == (1, 1, 4)
+    assert (trainer.current_epoch, trainer.global_step) == (3, 12)
+    assert torch.equal(model.layer.weight, _reference_weights(tmp_path, HorovodRayStrategy))
+
+
+def train_killed_once(config):
+    from ray_lightning.tune import TuneReportCallback
+
+    trainer = pl.Trainer(
+        max_epochs=3,
+        strategy=RayStrategy(num_workers=2, max_failures=1),
+        callbacks=[TuneReportCallback({"loss": "val_loss"}, on="validation_end")],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(FailsOnce(config["marker"]))
+    with open(config["restarts"], "w") as f:
+        f.write(" ".join(f"{r.rank}:{r.epoch}:{r.global_step}" for r in trainer.strategy.restarts))
+
+
+def test_a_tune_trial_restarts_its_workers_within_its_own_bundles(tmp_path):
+    from ray import tune
+
+    from ray_lightning.tune import get_tune_resources
+
+    analysis = tune.run(
+        train_killed_once,
+        config={"marker": str(tmp_path / "killed"), "restarts": str(tmp_path / "restarts")},
+        resources_per_trial=get_tune_resources(num_workers=2),
+        max_failures=1,
+        storage_path=str(tmp_path / "results"),
+        verbose=0,
+    )
+    (trial,) = analysis.trials
+    assert trial.status == "TERMINATED" and trial.num_failures == 0, "the trial itself never failed"
+    assert (tmp_path / "killed").exists()
+    assert (tmp_path / "restarts").read_text() == "1:1:4"
+    # Epoch 0 reported before the failure; epochs 1 and 2 after the restart, which resumed at epoch 1.
+    assert trial.last_result["training_iteration"] == 3

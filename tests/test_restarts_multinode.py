@@ -1,0 +1,161 @@
+"""Restarts when a node goes away: removed mid-epoch (``ray.cluster_utils.Cluster.remove_node``) or drained
+for preemption with a deadline (Ray's own drain, as the autoscaler does for a spot instance)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import pytorch_lightning as pl
+import ray
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger
+
+from ray_lightning import RayStrategy
+from ray_lightning.errors import WorkerDiedError
+from tests.conftest import connected_cluster, wait_for
+from tests.models import BoringModel
+
+SLOT = {"CPU": 1, "slot": 1}
+
+
+class MarksWhereItIs(BoringModel):
+    """Rank ``rank`` writes its node id to ``marker`` at ``batch`` of ``epoch`` (first time only); steps are slow."""
+
+    def __init__(self, marker: str, rank: int = 0, epoch: int = 1, batch: int = 1, step_s: float = 0.3, size=64):
+        super().__init__(size=size)
+        self.marker, self.mark_rank, self.mark_epoch, self.mark_batch, self.step_s = marker, rank, epoch, batch, step_s
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(self.step_s)  # a step that takes time, as a real one does
+        at = (self.global_rank, self.current_epoch, batch_idx) == (self.mark_rank, self.mark_epoch, self.mark_batch)
+        if at and not os.path.exists(self.marker):
+            with open(self.marker + ".partial", "w") as f:
+                f.write(f"{ray.get_runtime_context().get_node_id()} {self.trainer.global_step}")
+            os.replace(self.marker + ".partial", self.marker)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head the driver runs on (no worker slot) and three 1-slot nodes: two train, one is spare."""
+    with connected_cluster(*({"num_cpus": 1, "resources": {"slot": 1}} for _ in range(3))) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def three_worker_nodes(cluster):
+    """Every test starts with three alive worker nodes (a test may lose one)."""
+    alive = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("slot")]
+    for _ in range(3 - len(alive)):
+        cluster.add_node(num_cpus=1, resources={"slot": 1})
+    wait_for(lambda: sum(bool(n["Alive"] and n["Resources"].get("slot")) for n in ray.nodes()) == 3, 60, "3 nodes")
+    return cluster
+
+
+def _trainer(directory, **strategy_kwargs) -> pl.Trainer:
+    return pl.Trainer(
+        max_epochs=3,
+        strategy=RayStrategy(num_workers=2, resources_per_worker=SLOT, **strategy_kwargs),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=CSVLogger(directory / "logs"),
+        callbacks=[ModelCheckpoint(dirpath=directory / "ckpt", save_top_k=-1)],
+        log_every_n_steps=1,
+    )
+
+
+def _when_marked(marker, action) -> threading.Thread:
+    """Run ``action(node id, global step)`` once the workers wrote ``marker``, in a thread of the test."""
+
+    def run() -> None:
+        wait_for(lambda: os.path.exists(marker), 300, f"the workers to write {marker}")
+        node_id, step = open(marker).read().split()
+        action(node_id, int(step))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _remove(cluster, node_id: str) -> None:
+    (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
+    cluster.remove_node(node)
+
+
+def test_losing_rank_zeros_node_mid_epoch_restarts_and_keeps_every_finished_epoch(three_worker_nodes, tmp_path):
+    cluster = three_worker_nodes
+    reference_dir = tmp_path / "reference"
+    pl.seed_everything(0)
+    reference = MarksWhereItIs(str(tmp_path / "unused"), epoch=99)
+    _trainer(reference_dir).fit(reference)
+
+    pl.seed_everything(0)
+    marker = str(tmp_path / "rank0-node")
+    model = MarksWhereItIs(marker)
+    remover = _when_marked(marker, lambda node, step: _remove(cluster, node))
+    trainer = _trainer(tmp_path, max_failures=1)
+    trainer.fit(model)
+    remover.join(timeout=60)
+
+    (restart,) = trainer.strategy.restarts
+    assert restart.rank in (0, 1) and restart.reason in ("worker died", "collective broken by a peer's loss")
+    assert (restart.epoch, restart.global_step) == (1, 4)
+    # The same training as without the failure: same weights, every epoch's checkpoint on this machine
+    # (rank 0 wrote epoch 0's on the node that is gone), and the log of every step.
+    assert torch.equal(model.layer.weight, reference.layer.weight)
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert names == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
+    assert str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt") in trainer.strategy.launcher.transferred_files
+    MarksWhereItIs.load_from_checkpoint(str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt"))
+    rows = (tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    assert len([r for r in rows[1:] if r.split(",")[-1] == ""]) == 12, "one row per training step"
+
+
+def test_losing_a_node_without_max_failures_fails_naming_the_rank(three_worker_nodes, tmp_path):
+    cluster = three_worker_nodes
+    marker = str(tmp_path / "rank1-node")
+    remover = _when_marked(marker, lambda node, step: _remove(cluster, node))
+    trainer = _trainer(tmp_path)
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 1 .*died") as info:
+        trainer.fit(MarksWhereItIs(marker, rank=1))
+    remover.join(timeout=60)
+    assert info.value.rank == 1 and trainer.strategy.restarts == []
+    assert time.monotonic() - started < 240
+
+
+def _drain(node_id: str, deadline_s: float) -> None:
+    from ray._raylet import GcsClient
+    from ray.core.generated import autoscaler_pb2
+
+    client = GcsClient(ray.get_runtime_context().gcs_address)
+    deadline_ms = int((time.time() + deadline_s) * 1000)
+    accepted, reason = client.drain_node(
+        node_id, autoscaler_pb2.DRAIN_NODE_REASON_PREEMPTION, "spot instance reclaimed", deadline_ms
+    )
+    assert accepted, reason
+
+
+def test_a_node_drained_for_preemption_gets_a_checkpoint_before_it_goes(three_worker_nodes, tmp_path):
+    marker = str(tmp_path / "rank1-node")
+    drained: list[tuple[str, int, float]] = []
+
+    def drain(node: str, step: int) -> None:
+        drained.append((node, step, time.monotonic()))
+        _drain(node, deadline_s=60)
+
+    remover = _when_marked(marker, drain)
+    trainer = _trainer(tmp_path, max_failures=1)
+    trainer.fit(MarksWhereItIs(marker, rank=1, epoch=0, batch=1, size=256))  # 16 steps per epoch
+    remover.join(timeout=60)
+
+    (restart,) = trainer.strategy.restarts
+    ((node, step, _),) = drained
+    assert restart.reason == "preempted" and "is being drained" in restart.cause and node[:8] in restart.cause
+    # Rank 0 checkpointed mid-epoch 0, a few steps after the drain: the restart loses only those.
+    assert restart.epoch == 0 and step <= restart.global_step <= step + 8
+    assert (trainer.current_epoch, trainer.global_step) == (3, 48)
