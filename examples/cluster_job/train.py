@@ -102,6 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
     parser.add_argument("--max-epochs", type=int, default=3)
     parser.add_argument(
+        "--max-failures",
+        type=int,
+        default=3,
+        help="restarts of the workers when a worker or node is lost, e.g. a spot instance taken back (%(default)s)",
+    )
+    parser.add_argument(
         "--output-dir",
         default=os.path.expanduser("~/ray_lightning_runs/cluster_job"),
         help="logs and checkpoints, on the machine this script runs on (default: %(default)s)",
@@ -113,7 +119,12 @@ def main(argv: list[str] | None = None) -> None:
     pl.seed_everything(0)
     checkpoint = ModelCheckpoint(monitor="val_acc", mode="max", filename="digits-{epoch}-{val_acc:.3f}")
     where = WhereTrained()
-    strategy = RayStrategy(num_workers=args.num_workers, num_cpus_per_worker=args.cpus_per_worker, use_gpu=args.use_gpu)
+    strategy = RayStrategy(
+        num_workers=args.num_workers,
+        num_cpus_per_worker=args.cpus_per_worker,
+        use_gpu=args.use_gpu,
+        max_failures=args.max_failures,
+    )
     trainer = pl.Trainer(
         max_epochs=args.max_epochs,
         strategy=strategy,
@@ -133,6 +144,11 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("val_acc", "val_loss"):
         print(f"  {name} = {float(trainer.callback_metrics[name]):.4f}")
     print(f"  after {trainer.current_epoch} epoch(s), {trainer.global_step} optimizer steps")
+    for restart in trainer.strategy.restarts:
+        print(
+            f"  restart {restart.number}: rank {restart.rank} on {restart.node} ({restart.reason}), resumed in epoch "
+            f"{restart.epoch} after step {restart.global_step}"
+        )
     best = checkpoint.best_model_path
     restored = DigitsCNN.load_from_checkpoint(best)
     print(f"Best checkpoint on this machine: {best}")
