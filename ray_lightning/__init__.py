@@ -26,6 +26,8 @@ from ray_lightning.horovod.strategy import HorovodRayStrategy
 from ray_lightning.launch.idle_pool import release_idle_workers
 from ray_lightning.strategies.accelerator import HorovodRayAccelerator, RayAccelerator
 from ray_lightning.strategies.ddp import RayStrategy
+from ray_lightning.strategies.fsdp import RayFSDPStrategy
+from ray_lightning.strategies.model_parallel import RayModelParallelStrategy
 
 __version__ = "0.6.0"
 
@@ -37,6 +39,8 @@ __all__ = [
     "HorovodRayStrategy",
     "RayAccelerator",
     "RayEnvironment",
+    "RayFSDPStrategy",
+    "RayModelParallelStrategy",
     "RayStrategy",
     "RayWorkerError",
     "WorkerHangError",

@@ -77,7 +77,8 @@ class WorkerContext:
     device_index: int | None
     shares_gpu: bool
     # Rank 0 off the driver's machine writes its files under the staging directory of this name
-    # and sends them back (ray_lightning.home.files); None elsewhere.
+    # and sends them back (ray_lightning.home.files); so does every rank off it of a sharded strategy
+    # (its part of each checkpoint). None elsewhere.
     staging_name: str | None
     env_vars: dict[str, str]
     driver_sys_path: tuple[str, ...] = ()
@@ -94,6 +95,9 @@ class WorkerContext:
     num_machines: int = 1
     # The fit may restart its workers: rank 0 sends recovery checkpoints (None: it does not).
     recovery: RecoveryPlan | None = None
+    # A sharded strategy's rank 0's staging directory name (when it stages), on every rank: the checkpoint
+    # paths rank 0 broadcasts are turned back into the driver's (home.files.local_path).
+    rank_zero_staging: str | None = None
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,15 @@ one breaks one folder, and ``tests/test_lightning_internals.py`` names what move
 * :mod:`.names`: private functions and classes imported from Lightning (``_Launcher``,
   ``_init_dist_connection``, ``_MockOptimizer``, ``_is_local_file_protocol``) and the private
   directory attributes of the Trainer and loggers, and the fit loop's progress counters.
+* :mod:`.sharded`: the device mesh's private homes, the sharded-checkpoint switch and fabric's
+  loading helpers, for the sharded strategies.
 * :mod:`.loggers`: the private attributes of the W&B, MLflow and Comet loggers (their runs, where
   they store them, what they logged), and W&B's pickling without a run.
 
 :data:`PRIVATE_NAMES` lists all of them; a test checks each still exists.
 """
 
+from ray_lightning._lightning import sharded
 from ray_lightning._lightning.connector import (
     BringsItsStrategy,
     ChoosesItsAccelerator,
@@ -58,4 +61,5 @@ __all__ = [
     "load_fit_progress",
     "output_directories",
     "raise_not_converted",
+    "sharded",
 ]

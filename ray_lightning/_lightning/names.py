@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ray_lightning import namespaces
+from ray_lightning._lightning import sharded
 from ray_lightning._lightning.loggers import logger_owners
 from ray_lightning.namespaces import Namespace
 
@@ -205,6 +206,13 @@ def _private_names(ns: Namespace) -> Iterator[PrivateName]:
     for _, path in FIT_PROGRESS + FIT_COUNTERS:
         yield PrivateName(f"{pl_}.Trainer.fit_loop", path, lambda: trainer().fit_loop)
     yield PrivateName(f"{pl_}.Trainer.fit_loop", "epoch_loop.batch_progress.is_last_batch", lambda: trainer().fit_loop)
+    for path in (sharded.LOAD_CHECKPOINT, sharded.METADATA_FILENAME, sharded.MATERIALIZE, sharded.OPTIMIZERS_TO_DEVICE):
+        module, _, name = path.rpartition(".")
+        yield PrivateName(f"{fabric}.{module}", name, _module(ns, module, fabric=True))
+    model_parallel = f"{pl_}.strategies.ModelParallelStrategy"
+    for name in (sharded.MESH, sharded.SAVE_DISTRIBUTED):
+        yield PrivateName(model_parallel, name, lambda: ns.pl("strategies.ModelParallelStrategy")())
+    yield PrivateName(f"{pl_}.LightningModule", sharded.MESH, lambda: ns.pl("LightningModule")())
     for where, needs, attributes, owner in logger_owners(ns):
         for name in attributes:
             yield PrivateName(where, name, owner, needs)

@@ -116,6 +116,16 @@ def _translate_state(callback: Any, staging: str) -> None:
     callback.load_state_dict = load_driver_state  # type: ignore[method-assign]
 
 
+def local_path(path: str, rank_zero_staging: str | None, own_staging: str | None) -> str:
+    """Where this rank writes its part of a checkpoint whose path rank 0 chose (and broadcast).
+
+    The path is turned back into the driver's (rank 0 may stage), then into this rank's staging
+    directory if it stages: every rank's part comes home to the same driver path.
+    """
+    driver = from_staged(path, staging_dir(rank_zero_staging)) if rank_zero_staging else path
+    return to_staged(driver, staging_dir(own_staging)) if own_staging and os.path.isabs(driver) else driver
+
+
 def to_staged(path: str, staging: str) -> str:
     return os.path.join(staging, os.path.splitdrive(path)[1].lstrip("/\\"))
 

@@ -66,12 +66,17 @@ def collect_worker_output(
     """
     rank = trainer.global_rank
     fitting = trainer.state.fn == namespaces.FITTING
-    # Every rank computes the state dict: torchmetrics states may sync across ranks.
-    weights = trainer.lightning_module.state_dict() if fitting else None
+    # Every rank computes the state dict: torchmetrics states may sync across ranks, and a sharded
+    # strategy gathers the full weights on rank 0 (``weights_for_driver``).
+    weights = _weights_for_driver(trainer) if fitting else None
     predicting = trainer.state.fn == namespaces.PREDICTING
     predictions = recorder.records if recorder is not None else None
     if rank != 0:
-        return WorkerOutput(global_rank=rank, predictions=predictions) if predictions else None
+        # A rank of a sharded strategy off the driver's machine sends its parts of the checkpoints.
+        shards = files.collect(staging) if staging is not None else {}
+        if not predictions and not shards:
+            return None
+        return WorkerOutput(global_rank=rank, predictions=predictions, files=shards, staged=bool(shards))
 
     output = WorkerOutput(
         global_rank=rank,
@@ -98,6 +103,14 @@ def collect_worker_output(
         output.staged = True
         output.files = _staged_files(trainer, staging)
     return output
+
+
+def _weights_for_driver(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """The module's full state dict on rank 0 (None elsewhere, or when the weights stay in the workers)."""
+    gather = getattr(trainer.strategy, "weights_for_driver", None)
+    if gather is not None:
+        return gather()
+    return trainer.lightning_module.state_dict()
 
 
 def _staged_files(trainer: pl.Trainer, staging: str) -> dict[str, bytes]:

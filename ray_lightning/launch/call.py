@@ -80,8 +80,11 @@ class WorkerCall:
                 args, kwargs = with_checkpoint_path(function, args, kwargs, path)
             # Kept if the call fails: the launcher fetches what is in it (home.files.fetch_after_failure).
             staging = files.staging_dir(context.staging_name) if context.staging_name else None
-            if staging is not None:
+            rank_zero = context.rank.global_rank == 0
+            if staging is not None and rank_zero:
                 files.stage(trainer, staging)
+            elif staging is not None:
+                files.make_private_dir(staging)  # this rank's part of the sharded checkpoints
             _add_recovery(trainer, context, staging)
             self._strategy = strategy = trainer.strategy
             strategy.attach_worker(context, self._store)
@@ -95,8 +98,8 @@ class WorkerCall:
             if context.progress_interval_s is not None:
                 trainer.callbacks.append(HeartbeatCallback())
             trainer.callbacks.append(SigtermFirst(self._watch))
-            rank_zero = context.rank.global_rank == 0
-            logging_runs = loggers.in_worker(trainer, staging)  # rank 0 closes its runs before they are collected
+            # Rank 0 closes its runs before they are collected.
+            logging_runs = loggers.in_worker(trainer, staging if rank_zero else None)
             with readable_output(rank_zero, progress_to_driver=context.driver_queue is not None), logging_runs:
                 results = function(*args, **kwargs)
             runtime.mark_progress("collecting the results")

@@ -28,6 +28,9 @@ class CallSettings:
     driver_queue: Any = None  # the driver channel's queue
     progress_interval_s: float | None = None  # how often ranks report progress; None: they do not
     output_marker: str | None = None  # rank N writes f"{output_marker}-{N}" when its call ends
+    # A sharded strategy's ranks each write part of a checkpoint: those off the driver's machine stage
+    # theirs under f"{shard_staging}-rank{N}" (None: only rank 0 writes files).
+    shard_staging: str | None = None
 
     def marker_of(self, rank: int) -> str | None:
         return f"{self.output_marker}-{rank}" if self.output_marker is not None else None
@@ -77,7 +80,8 @@ def build_contexts(
             cuda_visible_devices=visible,
             device_index=index,
             shares_gpu=shared,
-            staging_name=staging.name if staging is not None and rank.global_rank == 0 else None,
+            staging_name=_staging_name(rank.global_rank, info.node_id != driver_node, staging, call.shard_staging),
+            rank_zero_staging=staging.name if staging is not None and call.shard_staging else None,
             env_vars={**env, **(point.rank_env[rank.global_rank] if point.rank_env else {})},
             driver_sys_path=sys_path if info.node_id == driver_node else (),
             torch_flags=torch_flags,
@@ -90,6 +94,13 @@ def build_contexts(
         )
         for rank, info, (visible, index) in zip(ranks, infos, devices)
     ]
+
+
+def _staging_name(rank: int, off_driver: bool, staging: StagingArea | None, shard_staging: str | None) -> str | None:
+    """Where this rank writes its files instead of the driver's paths (None: at the driver's paths)."""
+    if rank == 0:
+        return staging.name if staging is not None else None
+    return f"{shard_staging}-rank{rank}" if shard_staging is not None and off_driver else None
 
 
 def describe_placement(workers: str, ranks: Sequence[WorkerRank], infos: Sequence[NodeInfo], reused: bool) -> str:

@@ -209,6 +209,10 @@ class RayLauncher(*_lightning.launcher_bases()):
         if trainer is None:
             return rank_zero.results
         written = apply_to_driver(trainer, rank_zero, self._scope)
+        for output in outputs:
+            if output is not None and output is not rank_zero and output.files:
+                # Other ranks' parts of sharded checkpoints, beside rank 0's.
+                written += files.write(output.files, self._scope.with_checkpoints(rank_zero.callback_states))
         if rank_zero.staged:
             # What rank 0 mirrored here during the call and no longer had at its end, it removed.
             files.remove(recovery.synced - set(rank_zero.files), self._scope)

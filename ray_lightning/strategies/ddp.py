@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-import ray
 from typing_extensions import override
 
-from ray_lightning import _lightning, namespaces, runtime
+from ray_lightning import namespaces, runtime
 from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, WorkerResources, check_keywords, resolve_worker_resources
 from ray_lightning.environment import RayEnvironment
-from ray_lightning.launch.network import interface_for, listener_environment
 from ray_lightning.strategies.workers import RayWorkersMixin
 
 # Arguments of DDPStrategy and DistributedDataParallel that RayStrategy (or Lightning in the
@@ -191,40 +188,8 @@ class _RayStrategy(RayWorkersMixin):
         return super().accepted_keywords() | ddp_keywords(cls.namespace)
 
     @override
-    def worker_process_group_backend(self) -> str:
-        requested = self.requested_process_group_backend
-        if requested:
-            return requested
-        if self.root_device.type == "cuda" and self._worker is not None and self._worker.shares_gpu:
-            # NCCL refuses two ranks on one GPU (fractional GPUs); gloo handles CUDA tensors too.
-            return "gloo"
-        return "nccl" if self.root_device.type == "cuda" else "gloo"
-
-    @override
     def setup_distributed(self) -> None:
-        runtime.mark_progress("rendezvous", "joining the process group", startup=True)
-        self.namespace.fabric("utilities.seed.reset_seed")()
-        self.set_world_ranks()
-        backend = self.worker_process_group_backend()
-        self.use_process_group_backend(backend)
-        # gloo's (and NCCL's bootstrap) listeners bind this node's IP; the call's environment is
-        # restored when it ends.
-        interface = interface_for(ray.util.get_node_ip_address())
-        os.environ.update(listener_environment(backend, interface, os.environ))
-        store = self._rendezvous_store
-        if store is None:
-            from torch.distributed import TCPStore
-
-            store = TCPStore(
-                self.cluster_environment.main_address,
-                self.cluster_environment.main_port,
-                is_master=False,
-                timeout=self.ddp_timeout or timedelta(minutes=30),
-            )
-        kwargs: dict[str, Any] = {"timeout": self.ddp_timeout, "store": store}
-        if self.root_device.type == "cuda":
-            kwargs["device_id"] = self.root_device
-        _lightning.init_dist_connection(self.namespace, self.cluster_environment, backend, **kwargs)
+        self.join_process_group()
         runtime.mark_progress("setup", "prepare_data, setup hooks, configure_model")
 
 

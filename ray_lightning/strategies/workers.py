@@ -12,13 +12,16 @@ private hooks it needs are overridden in :class:`~ray_lightning._lightning.Light
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import ray
 import torch
 from typing_extensions import override
 
-from ray_lightning import namespaces
+from ray_lightning import _lightning, namespaces, runtime
 from ray_lightning._lightning import LightningStrategyHooks
 from ray_lightning.config import (
     DEFAULT_PROGRESS_TIMEOUT_S,
@@ -29,6 +32,7 @@ from ray_lightning.config import (
 )
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.launch.launcher import RayLauncher
+from ray_lightning.launch.network import interface_for, listener_environment
 from ray_lightning.launch.rendezvous import Rendezvous, TorchStoreRendezvous
 from ray_lightning.runtime import WorkerContext
 from ray_lightning.strategies.accelerator import RayAccelerator
@@ -243,6 +247,42 @@ class RayWorkersMixin(LightningStrategyHooks):
             torch.distributed.destroy_process_group()
         self._worker = None
         self._rendezvous_store = None
+
+    @override
+    def worker_process_group_backend(self) -> str:
+        requested = self.requested_process_group_backend
+        if requested:
+            return requested
+        if self.root_device.type == "cuda" and self._worker is not None and self._worker.shares_gpu:
+            # NCCL refuses two ranks on one GPU (fractional GPUs); gloo handles CUDA tensors too.
+            return "gloo"
+        return "nccl" if self.root_device.type == "cuda" else "gloo"
+
+    def join_process_group(self) -> None:
+        """In a worker: join the call's torch.distributed process group at rank 0's rendezvous (TCPStore)."""
+        runtime.mark_progress("rendezvous", "joining the process group", startup=True)
+        self.namespace.fabric("utilities.seed.reset_seed")()
+        self.set_world_ranks()
+        backend = self.worker_process_group_backend()
+        self.use_process_group_backend(backend)
+        # gloo's (and NCCL's bootstrap) listeners bind this node's IP; the call's environment is
+        # restored when it ends.
+        interface = interface_for(ray.util.get_node_ip_address())
+        os.environ.update(listener_environment(backend, interface, os.environ))
+        store = self._rendezvous_store
+        if store is None:
+            from torch.distributed import TCPStore
+
+            store = TCPStore(
+                self.cluster_environment.main_address,
+                self.cluster_environment.main_port,
+                is_master=False,
+                timeout=self.ddp_timeout or timedelta(minutes=30),
+            )
+        kwargs: dict[str, Any] = {"timeout": self.ddp_timeout, "store": store}
+        if self.root_device.type == "cuda":
+            kwargs["device_id"] = self.root_device
+        _lightning.init_dist_connection(self.namespace, self.cluster_environment, backend, **kwargs)
 
     @override
     def set_world_ranks(self) -> None:

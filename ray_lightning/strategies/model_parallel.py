@@ -1,0 +1,219 @@
+"""``RayModelParallelStrategy``: Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism) on Ray actors.
+
+The module's ``configure_model`` applies ``fully_shard`` and/or ``parallelize_module`` on
+``self.device_mesh``, a 2-D mesh ``(data_parallel, tensor_parallel)`` built from where Ray placed
+the workers: ranks on one node are consecutive, so a tensor-parallel group (consecutive ranks) stays
+inside a node whenever the node's workers divide into such groups. Lightning does the rest
+(``configure_model`` under its init contexts, optimizers, precision); the workers, resources,
+errors, restarts, Tune callbacks, staged files and results home are those of ``RayStrategy``.
+Checkpoints and the weights home are collective (:mod:`.sharded`).
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from typing_extensions import override
+
+from ray_lightning import _lightning, namespaces, runtime
+from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, resolve_worker_resources
+from ray_lightning.environment import RayEnvironment
+from ray_lightning.strategies.sharded import ShardedWorkersMixin
+from ray_lightning.strategies.workers import RayWorkersMixin
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+AUTO = "auto"
+
+
+def mesh_sizes(num_workers: int, data_parallel_size: Any, tensor_parallel_size: Any) -> tuple[int, int]:
+    """``(data_parallel_size, tensor_parallel_size)`` whose product is ``num_workers``; "auto" fills in.
+
+    Decision: both "auto" is data parallel only (tensor_parallel_size=1). Lightning's "auto" makes a
+    tensor-parallel group of each node's devices, but where Ray puts the workers is known only once
+    they are placed, and the sizes must be checked before anything starts.
+    """
+    given = {}
+    for name, value in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
+        if value == AUTO:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise TypeError(f'{name} must be an int >= 1 or "auto", got {value!r}.')
+        given[name] = int(value)
+    dp, tp = given.get("data_parallel_size"), given.get("tensor_parallel_size")
+    if dp is None and tp is None:
+        return num_workers, 1
+    if dp is not None and tp is not None and dp * tp == num_workers:
+        return dp, tp
+    known, name = (dp, "data_parallel_size") if tp is None else (tp, "tensor_parallel_size")
+    if dp is not None and tp is not None:
+        raise ValueError(
+            f"data_parallel_size={dp} x tensor_parallel_size={tp} = {dp * tp}, but num_workers={num_workers}: "
+            "the two sizes must multiply to the number of workers."
+        )
+    if num_workers % known:
+        raise ValueError(
+            f"{name}={known} does not divide num_workers={num_workers}; give a size that divides it, or both sizes."
+        )
+    other = num_workers // known
+    return (known, other) if name == "data_parallel_size" else (other, known)
+
+
+class _RayModelParallelStrategy(RayWorkersMixin, ShardedWorkersMixin):
+    """Lightning's ``ModelParallelStrategy`` across Ray actors: your ``configure_model`` shards the model.
+
+    Args:
+        num_workers: training processes (Ray actors), ``data_parallel_size x tensor_parallel_size``.
+        data_parallel_size: size of the mesh's ``"data_parallel"`` dimension (FSDP2's sharding, the data split).
+        tensor_parallel_size: size of its ``"tensor_parallel"`` dimension: groups of consecutive ranks, kept
+            inside a node where the node's workers allow. Both "auto" (default): data parallel only.
+        num_cpus_per_worker, use_gpu, resources_per_worker, init_hook: as for ``RayStrategy``.
+        save_distributed_checkpoint: ``True`` (default): each rank saves its shard, a checkpoint is a
+            directory; ``False``: rank 0 gathers and saves one file (loadable with ``load_from_checkpoint``).
+        process_group_backend, timeout: as for Lightning's ``ModelParallelStrategy``.
+        full_weights_home: bring the trained weights into the driver's module after ``fit`` (gathered on
+            rank 0). None (default): when the model takes at most half the driver's free memory.
+        placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s, progress_timeout_s,
+        scale_up_timeout_s, max_failures, recovery_checkpoint_every_n_steps: as for ``RayStrategy``.
+
+    Example::
+
+        class Model(pl.LightningModule):
+            def configure_model(self):
+                for block in self.blocks:
+                    fully_shard(block, mesh=self.device_mesh["data_parallel"])
+                fully_shard(self, mesh=self.device_mesh["data_parallel"])
+
+        trainer = pl.Trainer(strategy=RayModelParallelStrategy(num_workers=4, tensor_parallel_size=2))
+    """
+
+    strategy_name = "model_parallel_ray"
+
+    def __init__(
+        self,
+        num_workers: int = 1,
+        data_parallel_size: int | str = AUTO,
+        tensor_parallel_size: int | str = AUTO,
+        num_cpus_per_worker: float = 1,
+        use_gpu: bool = False,
+        resources_per_worker: Mapping[str, float] | None = None,
+        init_hook: Callable[[], Any] | None = None,
+        *,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = timedelta(minutes=30),
+        full_weights_home: bool | None = None,
+        placement_timeout_s: float | None = None,
+        worker_start_timeout_s: float | None = None,
+        keep_workers_alive_s: float | None = None,
+        progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
+        scale_up_timeout_s: float | None = None,
+        max_failures: int | None = None,
+        recovery_checkpoint_every_n_steps: int | None = None,
+    ) -> None:
+        resources = resolve_worker_resources(num_workers, num_cpus_per_worker, use_gpu, resources_per_worker)
+        dp, tp = mesh_sizes(resources.num_workers, data_parallel_size, tensor_parallel_size)
+        check_sharding_arguments(resources.use_gpu, process_group_backend, timeout, full_weights_home)
+        self.keep_init_arguments(locals(), {})
+        self._init_workers(
+            resources,
+            init_hook,
+            placement_timeout_s=placement_timeout_s,
+            worker_start_timeout_s=worker_start_timeout_s,
+            keep_workers_alive_s=keep_workers_alive_s,
+            progress_timeout_s=progress_timeout_s,
+            scale_up_timeout_s=scale_up_timeout_s,
+            max_failures=max_failures,
+            recovery_checkpoint_every_n_steps=recovery_checkpoint_every_n_steps,
+        )
+        self.full_weights_home = full_weights_home
+        super().__init__(
+            data_parallel_size=dp,
+            tensor_parallel_size=tp,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.mesh_shape = (dp, tp)
+        self.cluster_environment = namespaces.sibling(RayEnvironment, self.namespace)(self.num_workers)
+
+    @override
+    def check_trainer(self, trainer: pl.Trainer) -> None:
+        module = trainer.lightning_module
+        if module is not None and not self.namespace.pl("utilities.model_helpers.is_overridden")(
+            "configure_model", module
+        ):
+            raise TypeError(
+                f"{type(self).__name__} needs the LightningModule to override configure_model() and shard the model "
+                "there on self.device_mesh (fully_shard on self.device_mesh['data_parallel'], parallelize_module on "
+                "self.device_mesh['tensor_parallel']). To shard a model without writing that, use RayFSDPStrategy."
+            )
+        self.decide_full_weights(trainer)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # The data splits over the data-parallel dimension: a tensor-parallel group sees the same batches.
+        mesh = self.device_mesh["data_parallel"]
+        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+
+    @override
+    def setup_environment(self) -> None:
+        # Strategy.setup_environment (the accelerator's device), then our process group and mesh:
+        # Lightning's would meet through MASTER_ADDR/PORT and size the mesh by the driver's devices.
+        super(self.namespace.pl("strategies.ModelParallelStrategy"), self).setup_environment()
+        self.join_process_group()
+        self.build_device_mesh()
+        runtime.mark_progress("setup", "prepare_data, setup hooks, configure_model")
+
+    def build_device_mesh(self) -> None:
+        """The ``(data_parallel, tensor_parallel)`` mesh over the process group, for ``self.device_mesh``."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dp, tp = self.mesh_shape
+        _warn_if_group_spans_nodes(self, tp)
+        mesh = init_device_mesh(self.root_device.type, (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        _lightning.sharded.set_device_mesh(self, mesh)
+
+
+def check_sharding_arguments(use_gpu: bool, backend: Any, timeout: Any, full_weights_home: Any) -> None:
+    """The arguments every sharded strategy shares, refused here rather than in every worker."""
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, e.g. timedelta(minutes=30), got {timeout!r}.")
+    if backend is not None and (not isinstance(backend, str) or (backend.lower() == "nccl" and not use_gpu)):
+        raise ValueError(
+            f"process_group_backend={backend!r}: give 'gloo' (CPU, or GPU) or 'nccl' (needs use_gpu=True), "
+            "or leave it out to choose by device."
+        )
+    if full_weights_home is not None and not isinstance(full_weights_home, bool):
+        raise TypeError(f"full_weights_home must be True, False or None (decide by size), got {full_weights_home!r}.")
+
+
+def _warn_if_group_spans_nodes(strategy: Any, tensor_parallel_size: int) -> None:
+    """Tensor parallelism talks at every layer: a group split over nodes works, slowly. Say so."""
+    if tensor_parallel_size == 1 or strategy.num_nodes == 1:
+        return
+    rank, local = strategy.global_rank, strategy.local_rank
+    node_first, node_size = rank - local, strategy.num_processes
+    group_first = rank - rank % tensor_parallel_size
+    if group_first < node_first or group_first + tensor_parallel_size > node_first + node_size:
+        warnings.warn(
+            f"ray_lightning: rank {rank}'s tensor-parallel group (ranks {group_first}-"
+            f"{group_first + tensor_parallel_size - 1}) spans nodes: its collectives cross the network at every "
+            f"layer. Give each node a multiple of tensor_parallel_size={tensor_parallel_size} workers.",
+            stacklevel=2,
+        )
+
+
+RayModelParallelStrategy = namespaces.family(_RayModelParallelStrategy, "strategies.ModelParallelStrategy", __name__)
+namespaces.register(
+    RayModelParallelStrategy,
+    "strategies.StrategyRegistry",
+    "model_parallel_ray",
+    "ModelParallelStrategy (FSDP2, tensor parallel) on Ray actors (ray_lightning)",
+)

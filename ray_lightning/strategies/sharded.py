@@ -1,0 +1,125 @@
+"""What the sharded strategies share: each rank holds part of the model, so checkpoints and the weights are collective.
+
+:class:`ShardedWorkersMixin` goes after :class:`~ray_lightning.strategies.workers.RayWorkersMixin`
+and before Lightning's ``ModelParallelStrategy`` (``RayModelParallelStrategy``, ``RayFSDPStrategy``):
+
+* **The weights home.** After ``fit`` the driver's module gets the full trained weights, gathered
+  on rank 0 (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``: the other ranks hold
+  nothing) and sent like DDP's, when ``full_weights_home`` (default: when the model takes at most
+  half the driver's free memory). Otherwise the weights stay in the checkpoints (``ModelCheckpoint``),
+  which come home as today.
+* **Checkpoints.** A sharded checkpoint is a directory each rank writes its shard into; a rank on
+  another machine than the driver writes its shard into a staging directory and sends it home,
+  where it lands beside the others at the driver's path. Full checkpoints are written by rank 0.
+  Loading takes a directory or a file, saved on any number of ranks (``fit``/``test(ckpt_path=...)``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from typing_extensions import override
+
+from ray_lightning import _lightning, namespaces
+from ray_lightning.home.files import local_path
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+# The model may come home when it takes at most this share of the driver's free memory.
+FULL_WEIGHTS_MEMORY_SHARE = 0.5
+
+
+class ShardedWorkersMixin:
+    """Checkpoints, loading and the weights home of a strategy whose ranks each hold a shard."""
+
+    # Every rank writes part of each checkpoint (the launcher stages the ranks off the driver's machine).
+    every_rank_writes = True
+    full_weights_home: bool | None
+    _worker: Any
+
+    def decide_full_weights(self, trainer: pl.Trainer) -> None:
+        """On the driver: whether the trained weights come home into the module (``full_weights_home``)."""
+        if self.full_weights_home is not None:
+            self._send_full_weights = self.full_weights_home
+            return
+        import psutil
+
+        module = trainer.lightning_module
+        size = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+        self._send_full_weights = size <= FULL_WEIGHTS_MEMORY_SHARE * psutil.virtual_memory().available
+        if not self._send_full_weights:
+            self.warn(
+                f"The model ({size / 2**30:.1f} GiB) is too big to bring its trained weights into this process "
+                "(full_weights_home=None: at most half the free memory): they stay in the checkpoints the workers "
+                "write (ModelCheckpoint). Pass full_weights_home=True to bring them anyway."
+            )
+
+    def weights_for_driver(self) -> dict[str, Any] | None:
+        """In every rank (collective): the full state dict on rank 0, None elsewhere or when it stays."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if not getattr(self, "_send_full_weights", True):
+            return None
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        return state if self.global_rank == 0 else None
+
+    def _local_checkpoint_path(self, filepath: Any) -> Path:
+        """Where this rank writes or removes its part of the checkpoint rank 0 names ``filepath``."""
+        worker = self._worker
+        if worker is None:
+            return Path(filepath)
+        return Path(local_path(os.fspath(filepath), worker.rank_zero_staging, worker.staging_name))
+
+    def save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
+        """Each rank writes its shard (torch.distributed.checkpoint) into ``path``; rank 0 the rest (``meta.pt``)."""
+        import torch.distributed.checkpoint as dcp
+
+        if path.is_file():
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        converted = {"state_dict": checkpoint.pop("state_dict")}
+        for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            converted[f"optimizer_{index}"] = optimizer_state
+        dcp.save(converted, checkpoint_id=path)
+        if self.global_rank == 0:
+            torch.save(checkpoint, path / _lightning.sharded.metadata_filename(self.namespace))
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options.")
+        path = self._local_checkpoint_path(self.broadcast(filepath))
+        if _lightning.sharded.saves_sharded_checkpoints(self):
+            self.save_sharded_checkpoint(checkpoint, path)
+            return
+        if path.is_dir():
+            shutil.rmtree(path)  # a sharded checkpoint of the same name, saved before
+        if self.global_rank == 0:
+            self.checkpoint_io.save_checkpoint(checkpoint, path)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        # Every rank removes its own part (ModelCheckpoint replacing an older checkpoint).
+        path = self._local_checkpoint_path(filepath)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.is_file() and self.global_rank == 0:
+            path.unlink()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # Each rank reads its own copy of the file or directory (the launcher ships it to every machine):
+        # no broadcast of rank 0's path. The optimizers are loaded only when fitting.
+        fitting = self.lightning_module.trainer.state.fn == namespaces.FITTING
+        state = {"state_dict": self.model}
+        if fitting:
+            state.update({f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)})
+        weights_only = kwargs.get("weights_only", args[0] if args else None)
+        strict = self.lightning_module.strict_loading
+        return _lightning.sharded.load_checkpoint(self.namespace, Path(checkpoint_path), state, strict, weights_only)
