@@ -61,7 +61,7 @@ class CheckpointFile:
     """
 
     driver_path: str
-    data: Any = None  # ray.ObjectRef | None
+    data: Any = None  # ray.ObjectRef | None: the file's bytes, or a directory's {relative path: bytes}
 
 
 @dataclass(frozen=True)

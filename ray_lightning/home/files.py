@@ -46,7 +46,12 @@ class StagingArea:
 
     @classmethod
     def new(cls, node_id: str) -> StagingArea:
-        return cls(node_id, f"ray_lightning-staging-{uuid.uuid4().hex[:12]}")
+        return cls(node_id, new_staging_name())
+
+
+def new_staging_name() -> str:
+    """A staging directory's name, unique to the call."""
+    return f"ray_lightning-staging-{uuid.uuid4().hex[:12]}"
 
 
 def _map_paths(trainer: pl.Trainer, mapping: Callable[[str], str]) -> None:

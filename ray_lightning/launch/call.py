@@ -145,13 +145,21 @@ def _add_recovery(trainer: pl.Trainer, context: WorkerContext, staging: str | No
 
 
 def _local_checkpoint(checkpoint: runtime.CheckpointFile, scratch: contextlib.ExitStack) -> str:
-    """The path this worker reads the ``ckpt_path`` file from: the driver's, or a local copy of its bytes."""
+    """The path this worker reads the ``ckpt_path`` file (or sharded checkpoint's directory) from:
+    the driver's, or a local copy of what it sent."""
     if checkpoint.data is None:
         return checkpoint.driver_path
     directory = scratch.enter_context(tempfile.TemporaryDirectory(prefix="ray_lightning-ckpt-"))
-    path = os.path.join(directory, os.path.basename(checkpoint.driver_path))
-    with open(path, "wb") as f:
-        f.write(ray.get(checkpoint.data))
+    path = os.path.join(directory, os.path.basename(checkpoint.driver_path.rstrip(os.sep)))
+    data = ray.get(checkpoint.data)
+    if isinstance(data, dict):
+        for name, content in data.items():
+            os.makedirs(os.path.dirname(os.path.join(path, name)), exist_ok=True)
+            with open(os.path.join(path, name), "wb") as f:
+                f.write(content)
+    else:
+        with open(path, "wb") as f:
+            f.write(data)
     return path
 
 

@@ -150,6 +150,8 @@ class RayLauncher(*_lightning.launcher_bases()):
                 channel.queue,
                 progress_interval(strategy.worker_start_timeout_s, strategy.progress_timeout_s),
                 output_sync.new_marker(),
+                # Every rank of a sharded strategy writes its part of each checkpoint.
+                files.new_staging_name() if getattr(strategy, "every_rank_writes", False) else None,
             )
             contexts = self._contexts(group, call, checkpoint, recovery)
             watchdog = Watchdog(

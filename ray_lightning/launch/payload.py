@@ -83,8 +83,8 @@ def checkpoint_argument(function: Callable, args: tuple, kwargs: dict, trainer: 
     callback = trainer.checkpoint_callback if trainer is not None else None
     if path in ("best", "last") and isinstance(callback, namespaces.every("callbacks.ModelCheckpoint")):
         path = callback.best_model_path if path == "best" else callback.last_model_path
-    if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
-        return os.path.abspath(path)
+    if isinstance(path, (str, os.PathLike)) and os.path.exists(path):
+        return os.path.abspath(path)  # a file, or a sharded checkpoint's directory
     return None  # None, a remote URL, "best" without a file...: resolved by Lightning in the workers
 
 
@@ -154,15 +154,30 @@ def checkpoint_files(
     """The ``ckpt_path`` file for workers on the driver's machine (read in place) and on others (sent).
 
     Workers on other machines may not see the driver's file: it goes once through the object
-    store (only when some worker is ``remote``) and each of them writes it locally.
+    store (only when some worker is ``remote``) and each of them writes it locally. A sharded
+    checkpoint is a directory: all its files go (each rank may read any part of them when the number
+    of ranks differs from the number that saved it).
     """
     if path is None:
         return None, None
     shipped = None
     if remote:
-        with open(path, "rb") as f:
-            shipped = CheckpointFile(path, ray.put(f.read()))
+        shipped = CheckpointFile(path, ray.put(_read_checkpoint(path)))
     return (CheckpointFile(path) if local else None), shipped
+
+
+def _read_checkpoint(path: str) -> bytes | dict[str, bytes]:
+    """A file's bytes, or a directory's files by relative path."""
+    if not os.path.isdir(path):
+        with open(path, "rb") as f:
+            return f.read()
+    found = {}
+    for directory, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(directory, name)
+            with open(full, "rb") as f:
+                found[os.path.relpath(full, path)] = f.read()
+    return found
 
 
 def with_checkpoint_path(function: Callable, args: tuple, kwargs: dict, path: str) -> tuple[tuple, dict]:

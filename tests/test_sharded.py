@@ -1,0 +1,113 @@
+"""Models bigger than one worker: RayFSDPStrategy (FSDP2) and RayModelParallelStrategy on real Ray workers with gloo.
+
+FSDP2 and tensor parallelism run on CPU here; the FSDP1 and DeepSpeed strategies' GPU runs are in tests/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from ray_lightning import RayFSDPStrategy, RayModelParallelStrategy, RayStrategy
+from tests.sharded_models import MLP, BlockModel, DenseBlockModel, ShardedMLP
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def _fit(strategy, model_class, **trainer_kwargs):
+    pl.seed_everything(0)
+    model = model_class()
+    defaults = dict(
+        max_epochs=2,
+        strategy=strategy,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    defaults.update(trainer_kwargs)
+    trainer = pl.Trainer(**defaults)
+    trainer.fit(model)
+    return model, trainer
+
+
+@pytest.fixture(scope="module")
+def ddp_weights():
+    """What DDP on 2 workers trains the MLP to: every sharded run of the same data must end there."""
+    model, _ = _fit(RayStrategy(num_workers=2), MLP)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"auto_wrap_policy": {nn.Linear}, "sharding_strategy": "SHARD_GRAD_OP"},
+        {"cpu_offload": True, "activation_checkpointing_policy": {nn.Linear}, "state_dict_type": "sharded"},
+    ],
+    ids=["defaults", "wrap-linear-shard-grad-op", "offload-recompute-sharded"],
+)
+def test_fsdp_trains_the_same_weights_as_ddp_and_brings_them_home(ddp_weights, options):
+    model, trainer = _fit(RayFSDPStrategy(num_workers=2, **options), MLP)
+    weights = model.state_dict()
+    assert all(type(t) is torch.Tensor for t in weights.values()), "full tensors on the driver, not shards"
+    torch.testing.assert_close(weights, ddp_weights)
+    assert trainer.callback_metrics["val_loss"] > 0
+
+
+def test_model_parallel_with_data_parallel_only_equals_ddp(ddp_weights):
+    model, _ = _fit(RayModelParallelStrategy(num_workers=2), ShardedMLP)
+    torch.testing.assert_close(model.state_dict(), ddp_weights)
+
+
+def test_tensor_parallel_block_trains_and_comes_home():
+    reference, _ = _fit(RayStrategy(num_workers=1), DenseBlockModel)
+    model, trainer = _fit(RayModelParallelStrategy(num_workers=2, tensor_parallel_size=2), BlockModel)
+    before = DenseBlockModel().state_dict()
+    weights = model.state_dict()
+    assert weights.keys() == reference.state_dict().keys()
+    assert not torch.equal(weights["block.q.weight"], before["block.q.weight"]), "the driver's module did not change"
+    # Tensor parallelism splits each matmul between the ranks: the same training, up to rounding.
+    torch.testing.assert_close(weights, reference.state_dict(), rtol=1e-4, atol=1e-5)
+    assert trainer.callback_metrics["val_loss"] > 0
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: RayModelParallelStrategy(num_workers=4, tensor_parallel_size=3), ValueError, "does not divide"),
+        (
+            lambda: RayModelParallelStrategy(num_workers=4, data_parallel_size=2, tensor_parallel_size=3),
+            ValueError,
+            "must multiply to the number of workers",
+        ),
+        (lambda: RayModelParallelStrategy(num_workers=2, tensor_parallel_size=0), TypeError, "int >= 1"),
+        (lambda: RayFSDPStrategy(num_workers=2, sharding_strategy="SHARD_EVERYTHING"), ValueError, "FULL_SHARD"),
+        (lambda: RayFSDPStrategy(num_workers=2, auto_wrap_policy=["Linear"]), TypeError, "nn.Module classes"),
+        (lambda: RayFSDPStrategy(num_workers=2, state_dict_type="zip"), ValueError, "'full' or 'sharded'"),
+        (lambda: RayFSDPStrategy(num_workers=2, mixed_precision="bf16"), TypeError, "MixedPrecisionPolicy"),
+        (lambda: RayFSDPStrategy(num_workers=2, reshard_after_forwards=True), TypeError, "reshard_after_forward"),
+        (lambda: RayFSDPStrategy(num_workers=2, process_group_backend="nccl"), ValueError, "use_gpu=True"),
+    ],
+)
+def test_sizes_and_options_that_cannot_work_fail_in_the_constructor(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_model_parallel_without_configure_model_fails_before_any_worker_starts():
+    trainer = pl.Trainer(strategy=RayModelParallelStrategy(num_workers=2), logger=False, enable_checkpointing=False)
+    with pytest.raises(TypeError, match="override configure_model.*RayFSDPStrategy"):
+        trainer.fit(MLP())
+    from tests.conftest import alive_worker_actors
+
+    assert not alive_worker_actors()
+
+
+def test_the_strategies_are_in_lightnings_registry():
+    trainer = pl.Trainer(strategy="fsdp_ray", logger=False, enable_checkpointing=False)
+    assert isinstance(trainer.strategy, RayFSDPStrategy)
+    trainer = pl.Trainer(strategy="model_parallel_ray", logger=False, enable_checkpointing=False)
+    assert isinstance(trainer.strategy, RayModelParallelStrategy)

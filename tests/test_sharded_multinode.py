@@ -1,0 +1,52 @@
+"""Sharded checkpoints across nodes: every rank writes its shard on its own node, and the directory comes home whole."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from ray_lightning import RayFSDPStrategy
+from tests.conftest import connected_cluster
+from tests.sharded_models import MLP
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A head the driver runs on (no worker slot) and two 1-slot nodes: every rank writes its shard elsewhere."""
+    with connected_cluster(*({"num_cpus": 1, "resources": {"slot": 1}} for _ in range(2))) as cluster:
+        yield cluster
+
+
+def _sharded_trainer(tmp_path, num_workers, max_epochs, **kwargs):
+    strategy = RayFSDPStrategy(
+        num_workers=num_workers, state_dict_type="sharded", resources_per_worker={"CPU": 1, "slot": 1}
+    )
+    return pl.Trainer(
+        max_epochs=max_epochs,
+        strategy=strategy,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        **kwargs,
+    )
+
+
+def test_a_sharded_checkpoint_comes_home_and_resumes_on_one_and_two_workers(two_nodes, tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss")
+    trainer = _sharded_trainer(tmp_path, 2, 1, callbacks=[checkpoint])
+    trainer.fit(MLP())
+    best = checkpoint.best_model_path
+    # One directory on this machine, with both ranks' shards (each written on its own node) and rank 0's metadata.
+    assert os.path.isdir(best)
+    assert sorted(os.listdir(best)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+
+    tested = _sharded_trainer(tmp_path, 2, 1).test(MLP(), ckpt_path=best, verbose=False)[0]["test_loss"]
+    on_one = _sharded_trainer(tmp_path, 1, 1).test(MLP(), ckpt_path=best, verbose=False)[0]["test_loss"]
+    assert on_one == pytest.approx(tested, rel=1e-5), "the checkpoint of 2 ranks reads the same on 1"
+
+    resumed = _sharded_trainer(tmp_path, 1, 2)
+    resumed.fit(MLP(), ckpt_path=best)
+    assert (resumed.current_epoch, resumed.global_step) == (2, trainer.global_step + 8)
