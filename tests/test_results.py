@@ -112,5 +112,5 @@ def test_packed_weights_load_into_the_drivers_module():
     trainer = pl.Trainer(logger=False)
     trainer.strategy.connect(module)
     weights = {f"net.{k}": v for k, v in trained.state_dict().items()}
-    apply_to_driver(trainer, WorkerOutput(global_rank=0, weights=pack_weights(weights)), WriteScope())
+    apply_to_driver(trainer, WorkerOutput(global_rank=0, weights=[pack_weights(weights)]), WriteScope())
     assert torch.equal(driver.weight, trained.weight) and torch.equal(driver.bias, trained.bias)

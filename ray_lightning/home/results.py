@@ -23,7 +23,7 @@ import torch
 from ray_lightning import _lightning, namespaces
 from ray_lightning.home import files, loggers
 from ray_lightning.home.predictions import PredictionRecorder
-from ray_lightning.home.weights import pack_weights, unpack_weights
+from ray_lightning.home.weights import put_in_chunks, read_chunk
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -38,7 +38,8 @@ class WorkerOutput:
     global_rank: int
     trainer_state: Any = None  # Lightning's TrainerState
     results: Any = None
-    weights: dict[str, Any] | None = None  # see pack_weights
+    # Chunks of the trained weights (references to packed state dicts; home.weights), or None.
+    weights: list[Any] | None = None
     callback_metrics: dict[str, Any] = field(default_factory=dict)
     logged_metrics: dict[str, Any] = field(default_factory=dict)
     progress_bar_metrics: dict[str, Any] = field(default_factory=dict)
@@ -83,7 +84,7 @@ def collect_worker_output(
         trainer_state=trainer.state,
         # When predicting, the driver rebuilds the results from every rank's `predictions`.
         results=None if predicting else namespaces.to_cpu(results),
-        weights=pack_weights(weights) if weights is not None else None,
+        weights=put_in_chunks(weights) if weights is not None else None,
         callback_metrics=namespaces.to_cpu(dict(trainer.callback_metrics)),
         logged_metrics=namespaces.to_cpu(dict(trainer.logged_metrics)),
         progress_bar_metrics=namespaces.to_cpu(dict(trainer.progress_bar_metrics)),
@@ -158,17 +159,26 @@ def apply_to_driver(trainer: pl.Trainer, output: WorkerOutput, scope: files.Writ
     return files.write(loggers.arriving_files(trainer, output.files), scope)
 
 
-def _load_weights(module: pl.LightningModule, packed: dict[str, Any]) -> None:
-    with warnings.catch_warnings():
-        # The tensors read the object store's read-only memory in place; load_state_dict only copies from them.
-        warnings.filterwarnings("ignore", message=".*not writable.*")
-        weights = unpack_weights(packed)
+def _load_weights(module: pl.LightningModule, chunks: list[Any]) -> None:
+    """Copy each chunk into the module, then let it go before reading the next (one model in memory)."""
     # Parameters and buffers are copied into; other state (torchmetrics' states, extra state) may
-    # be kept as given, so it gets memory of its own instead of the object store's.
-    copied = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
-    weights = {k: v if k in copied or not isinstance(v, torch.Tensor) else v.clone() for k, v in weights.items()}
-    # Non-strict like Lightning's ddp_spawn: layers may have been added in the workers' setup hooks.
-    module.load_state_dict(weights, strict=False)
+    # be kept as given, so it gets memory of its own instead of the object store's. Parameters on
+    # the meta device (the module was made with empty_init) are replaced by copies.
+    on_meta = {n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta}
+    copied = {n for n, _ in [*module.named_parameters(), *module.named_buffers()]} - on_meta
+    for chunk in chunks:
+        with warnings.catch_warnings():
+            # The tensors read the object store's read-only memory in place; they are copied from, never written.
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            weights = read_chunk(chunk)
+        assign = bool(on_meta & weights.keys())  # the module takes these tensors: they need memory of their own
+        weights = {
+            k: v.clone() if isinstance(v, torch.Tensor) and (assign or k not in copied) else v
+            for k, v in weights.items()
+        }
+        # Non-strict like Lightning's ddp_spawn: layers may have been added in the workers' setup hooks.
+        module.load_state_dict(weights, strict=False, assign=assign)
+        del weights
 
 
 def _load_callback_states(trainer: pl.Trainer, output: WorkerOutput, scope: files.WriteScope) -> None:

@@ -99,16 +99,23 @@ class RayLauncher(*_lightning.launcher_bases()):
         recovery = Recovery(self._strategy.recovery, self._scope, self._strategy.restarts)
         self.transferred_files = []
         try:
-            outputs = self._attempts(payload, checkpoint, recovery)
-            return self._bring_home(outputs, trainer, recovery)
+            outputs, group = self._attempts(payload, checkpoint, recovery)
+            try:
+                # The workers stay until their results are home: rank 0 holds the weights' chunks.
+                return self._bring_home(outputs, trainer, recovery)
+            finally:
+                self._release(group)
         finally:
             recovery.close()
 
-    def _attempts(self, payload: ray.ObjectRef, checkpoint: str | None, recovery: Recovery) -> list[Any]:
+    def _attempts(
+        self, payload: ray.ObjectRef, checkpoint: str | None, recovery: Recovery
+    ) -> tuple[list[WorkerOutput | None], WorkerGroup]:
         """Run the call until it succeeds, restarting its workers after failures a restart can fix."""
         while True:
+            group = self._acquire_group()
             try:
-                return self._run(self._acquire_group(), payload, recovery.checkpoint(checkpoint), recovery)
+                return self._run(group, payload, recovery.checkpoint(checkpoint), recovery), group
             except BaseException as error:
                 if not recovery.restart_after(error, self._nodes):
                     final = recovery.final_error(error)
@@ -173,13 +180,19 @@ class RayLauncher(*_lightning.launcher_bases()):
             succeeded = True
         finally:
             self._group = None
-            if succeeded and group.owns_placement and strategy.keep_workers_alive_s > 0:
-                idle_pool.keep(strategy.resources, group, strategy.keep_workers_alive_s)
-            else:
+            if not succeeded:
                 group.shutdown()
-            if not succeeded and self._staging is not None:
-                recovery.synced.update(self._fetch_staged_files())
+                if self._staging is not None:
+                    recovery.synced.update(self._fetch_staged_files())
         return outputs
+
+    def _release(self, group: WorkerGroup) -> None:
+        """After a call that succeeded: leave the workers for the next call, or stop them."""
+        strategy = self._strategy
+        if group.owns_placement and strategy.keep_workers_alive_s > 0:
+            idle_pool.keep(strategy.resources, group, strategy.keep_workers_alive_s)
+        else:
+            group.shutdown()
 
     def _contexts(
         self, group: WorkerGroup, call: CallSettings, checkpoint: str | None, recovery: Recovery

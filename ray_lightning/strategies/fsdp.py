@@ -258,9 +258,9 @@ class _RayFSDPStrategy(RayWorkersMixin, ShardedWorkersMixin):
             for layer in reversed(list(module.modules())):  # innermost first
                 if layer is not module and self.wraps(layer) and not _is_sharded(layer):
                     fully_shard(layer, **options)
-        for child in module.children():
-            if any(not _is_dtensor(p) for p in child.parameters()):
-                fully_shard(child, **options)
+        for unit in _units(module):
+            if any(not _is_dtensor(p) for p in unit.parameters()):
+                fully_shard(unit, **options)
         if any(not _is_dtensor(p) for p in module.parameters(recurse=False)):
             fully_shard(module, **options)
 
@@ -278,6 +278,17 @@ class _RayFSDPStrategy(RayWorkersMixin, ShardedWorkersMixin):
         }
         options.update(self.fsdp_kwargs)
         return options
+
+
+def _units(module: nn.Module) -> list[nn.Module]:
+    """The module's children, those of containers without a forward (ModuleList, ModuleDict) in their place."""
+    units = []
+    for child in module.children():
+        if type(child).forward is nn.Module.forward:  # a container: FSDP hooks run on forward
+            units.extend(_units(child))
+        else:
+            units.append(child)
+    return units
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
