@@ -255,3 +255,18 @@ def test_a_tune_trial_restarts_its_workers_within_its_own_bundles(tmp_path):
     assert (tmp_path / "restarts").read_text() == "1:1:4"
     # Epoch 0 reported before the failure; epochs 1 and 2 after the restart, which resumed at epoch 1.
     assert trial.last_result["training_iteration"] == 3
+
+
+def test_a_sharded_fit_restarts_from_a_checkpoint_gathered_on_rank_zero(tmp_path):
+    from ray_lightning import RayFSDPStrategy
+
+    pl.seed_everything(0)
+    model = FailsOnce(str(tmp_path / "killed"))
+    # Every 4 steps: on each epoch's last batch, where the epoch's own checkpoint is taken instead.
+    trainer = _trainer(tmp_path, RayFSDPStrategy(num_workers=2, max_failures=1, recovery_checkpoint_every_n_steps=4))
+    trainer.fit(model)
+    (restart,) = trainer.strategy.restarts
+    # Killed before epoch 1's third step: the newest checkpoint was epoch 0's end (step 4), gathered on rank 0.
+    assert (restart.rank, restart.epoch, restart.global_step) == (1, 1, 4)
+    assert (trainer.current_epoch, trainer.global_step) == (3, 12)
+    assert torch.equal(model.layer.weight, _reference_weights(tmp_path, RayFSDPStrategy))

@@ -206,7 +206,8 @@ def _private_names(ns: Namespace) -> Iterator[PrivateName]:
     for _, path in FIT_PROGRESS + FIT_COUNTERS:
         yield PrivateName(f"{pl_}.Trainer.fit_loop", path, lambda: trainer().fit_loop)
     yield PrivateName(f"{pl_}.Trainer.fit_loop", "epoch_loop.batch_progress.is_last_batch", lambda: trainer().fit_loop)
-    for path in (sharded.LOAD_CHECKPOINT, sharded.METADATA_FILENAME, sharded.MATERIALIZE, sharded.OPTIMIZERS_TO_DEVICE):
+    for path in (sharded.LOAD_CHECKPOINT, sharded.REKEY, sharded.METADATA_FILENAME, sharded.MATERIALIZE,
+                 sharded.OPTIMIZERS_TO_DEVICE):  # fmt: skip
         module, _, name = path.rpartition(".")
         yield PrivateName(f"{fabric}.{module}", name, _module(ns, module, fabric=True))
     model_parallel = f"{pl_}.strategies.ModelParallelStrategy"

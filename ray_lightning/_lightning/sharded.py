@@ -10,6 +10,9 @@ No public API does these jobs:
   recovery checkpoint (one file the driver keeps) is taken with it switched off for a moment.
 * fabric's ``_load_checkpoint`` (a sharded directory or a full file into a sharded module, any number
   of ranks) and ``_METADATA_FILENAME`` (the non-tensor part of a sharded checkpoint, ``meta.pt``).
+* fabric's ``_rekey_optimizer_state_if_needed``, which ``_load_checkpoint`` calls on a full
+  checkpoint: it fails (``IndexError``) on an optimizer without state (plain SGD has none); while
+  loading, it is replaced by one that also handles that (Lightning 2.4-2.6 all have the bug).
 * fabric's ``_materialize_distributed_module`` and ``_optimizers_to_device``: the steps of
   ``ModelParallelStrategy.setup`` after sharding, which ``RayFSDPStrategy`` runs after it shards.
 
@@ -19,6 +22,8 @@ Every one is in :data:`ray_lightning._lightning.PRIVATE_NAMES`.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import inspect
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +34,7 @@ from ray_lightning.namespaces import Namespace
 MESH = "_device_mesh"
 SAVE_DISTRIBUTED = "_save_distributed_checkpoint"
 LOAD_CHECKPOINT = "strategies.model_parallel._load_checkpoint"  # fabric's
+REKEY = "strategies.model_parallel._rekey_optimizer_state_if_needed"  # fabric's
 METADATA_FILENAME = "utilities.load._METADATA_FILENAME"  # fabric's
 MATERIALIZE = "utilities.init._materialize_distributed_module"  # fabric's
 OPTIMIZERS_TO_DEVICE = "utilities.optimizer._optimizers_to_device"  # fabric's
@@ -60,12 +66,59 @@ def metadata_filename(ns: Namespace) -> str:
 
 
 def load_checkpoint(ns: Namespace, path: Path, state: dict[str, Any], strict: bool, weights_only: Any) -> dict:
-    """A sharded directory or a full file into the sharded module and optimizers in ``state`` (every rank)."""
+    """A sharded directory or a full file into the sharded module and optimizers in ``state`` (every rank).
+
+    Optimizers without state (plain SGD) in a full file get only their hyperparameters (``lr``...):
+    torch's ``set_optimizer_state_dict`` cannot load an empty state from rank 0 ("Expected device to be set").
+    """
+    stateless = _stateless_optimizers(path, state)
+    state = {k: v for k, v in state.items() if k not in stateless}
+    checkpoint = _load(ns, path, state, strict, weights_only)
+    for key, optimizer in stateless.items():
+        saved = checkpoint["optimizer_states"][int(key.removeprefix("optimizer_"))]["param_groups"]
+        for group, saved_group in zip(optimizer.param_groups, saved):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+    return checkpoint
+
+
+def _stateless_optimizers(path: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """The optimizers of ``state`` (``optimizer_<i>``) whose state a full checkpoint file holds empty, when all are."""
+    import torch
+
+    optimizers = {k: v for k, v in state.items() if k.startswith("optimizer_")}
+    if not optimizers or not path.is_file():
+        return {}
+    saved = torch.load(path, mmap=True, map_location="cpu", weights_only=False).get("optimizer_states", [])
+    if len(saved) < len(optimizers) or any(s.get("state") for s in saved):
+        return {}  # some have state: fabric loads them all (its indices count every optimizer)
+    return optimizers
+
+
+def _load(ns: Namespace, path: Path, state: dict[str, Any], strict: bool, weights_only: Any) -> dict:
     load = ns.fabric(LOAD_CHECKPOINT)
     kwargs: dict[str, Any] = {"strict": strict, "optimizer_states_from_list": True}
     if "weights_only" in inspect.signature(load).parameters:  # Lightning 2.6
         kwargs["weights_only"] = weights_only
-    return load(path=path, state=state, **kwargs)
+    module_name, _, name = f"{ns.fabric_package}.{REKEY}".rpartition(".")
+    owner = importlib.import_module(module_name)
+    original = getattr(owner, name)
+    setattr(owner, name, functools.partial(_rekey_even_without_state, original))
+    try:
+        return load(path=path, state=state, **kwargs)
+    finally:
+        setattr(owner, name, original)
+
+
+def _rekey_even_without_state(original: Any, optimizer_state: dict[str, Any], module: Any) -> dict[str, Any]:
+    """fabric's re-keying of a full checkpoint's optimizer state by parameter name, also without any state."""
+    if optimizer_state.get("state"):
+        return original(optimizer_state, module)
+    from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+    groups = optimizer_state.get("param_groups") or [{}]
+    if any(isinstance(p, int) for p in groups[0].get("params", [])):
+        return FullyShardedDataParallel.rekey_optim_state_dict(optimizer_state, OptimStateKeyType.PARAM_NAME, module)
+    return optimizer_state
 
 
 def materialize(ns: Namespace, module: Any, device: Any) -> None:

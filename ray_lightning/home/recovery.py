@@ -16,7 +16,10 @@ Decisions:
   deterministic module: checked from Lightning 2.4 to 2.6). The next epoch's start would not do:
   Lightning 2.6 takes a checkpoint from there as a finished epoch and skips it.
 * Rank 0 alone takes it: under DDP and Horovod every rank holds the same weights and optimizer
-  state, and nothing here waits for the other ranks.
+  state, and nothing here waits for the other ranks. Under a sharded strategy (its
+  ``collective_checkpoints``) every rank takes part, the full state is gathered on rank 0
+  (``strategy.recovery_checkpoint``), and whether a preemption asks for one is agreed by all ranks
+  at every step (a one-number all-reduce: a notice reaches rank 0 alone).
 * Lightning's checkpoints hold no random generator state: rank 0 sends its generators' states as
   the first step after a checkpoint starts, and a restarted fit sets them on every rank at its
   first step (:class:`RestoreRandomStates`), so dropout draws the masks it would have drawn.
@@ -54,8 +57,9 @@ class RecoveryCheckpoints(*namespaces.bases("callbacks.Checkpoint")):
     A ``Checkpoint`` callback of every installed Lightning namespace (:func:`ray_lightning.namespaces.bases`).
     """
 
-    def __init__(self, every_n_steps: int | None, staging: str | None) -> None:
+    def __init__(self, every_n_steps: int | None, staging: str | None, collective: bool = False) -> None:
         self._every_n_steps = every_n_steps
+        self._collective = collective
         self._mirror = StagingMirror(staging) if staging is not None else None
         self._last_step = -1  # the step of the newest checkpoint sent
         self._request: str | None = None  # why a checkpoint was asked for, until it is taken
@@ -72,7 +76,7 @@ class RecoveryCheckpoints(*namespaces.bases("callbacks.Checkpoint")):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._random_states_due:
+        if self._random_states_due and trainer.is_global_zero:
             # The random generators as the first step after the checkpoint finds them (dropout's
             # masks, random augmentation): restored there, the resumed run draws the same numbers.
             self._random_states_due = False
@@ -83,6 +87,8 @@ class RecoveryCheckpoints(*namespaces.bases("callbacks.Checkpoint")):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._request = _join(self._request, runtime.take_checkpoint_request())
+        if self._collective and trainer.strategy.reduce_boolean_decision(self._request is not None, all=False):
+            self._request = self._request or "another rank's worker is going away"
         if _lightning.is_last_batch(trainer):
             return  # Lightning skips the epoch's end when resuming from its last batch; the epoch's checkpoint follows
         step = trainer.global_step
@@ -103,8 +109,13 @@ class RecoveryCheckpoints(*namespaces.bases("callbacks.Checkpoint")):
         self._last_step, self._request = trainer.global_step, None
         started = time.perf_counter()
         runtime.mark_progress("training", f"recovery checkpoint ({reason})")
+        take = getattr(trainer.strategy, "recovery_checkpoint", None)
+        checkpoint = take(trainer) if take is not None else _lightning.dump_checkpoint(trainer)
+        if not trainer.is_global_zero:
+            return  # took part in gathering rank 0's (a sharded strategy)
         buffer = io.BytesIO()
-        torch.save(_lightning.dump_checkpoint(trainer), buffer)
+        torch.save(checkpoint, buffer)
+        del checkpoint
         changed, removed = self._mirror.changes() if self._mirror is not None else ({}, [])
         header = {
             # The epoch the workers resume in: the next one after an epoch's end.

@@ -135,13 +135,17 @@ def _add_recovery(trainer: pl.Trainer, context: WorkerContext, staging: str | No
         return
     if plan.random_states is not None:
         trainer.callbacks.append(RestoreRandomStates(plan.random_states))
+    # A sharded strategy's checkpoints take every rank.
+    collective = bool(getattr(trainer.strategy, "collective_checkpoints", False))
     if context.rank.global_rank != 0:
+        if collective:
+            trainer.callbacks.append(RecoveryCheckpoints(plan.every_n_steps, None, collective=True))
         return
     if staging is not None and plan.seed is not None:
         files.seed(staging, ray.get(plan.seed))
     if plan.attempt > 0:
         loggers.continue_logs(trainer, plan.log_step)
-    trainer.callbacks.append(RecoveryCheckpoints(plan.every_n_steps, staging))
+    trainer.callbacks.append(RecoveryCheckpoints(plan.every_n_steps, staging, collective))
 
 
 def _local_checkpoint(checkpoint: runtime.CheckpointFile, scratch: contextlib.ExitStack) -> str:

@@ -39,6 +39,8 @@ class ShardedWorkersMixin:
 
     # Every rank writes part of each checkpoint (the launcher stages the ranks off the driver's machine).
     every_rank_writes = True
+    # Recovery checkpoints (max_failures) take every rank (home.recovery).
+    collective_checkpoints = True
     full_weights_home: bool | None
     _worker: Any
 
@@ -68,6 +70,12 @@ class ShardedWorkersMixin:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
         return state if self.global_rank == 0 else None
+
+    def recovery_checkpoint(self, trainer: pl.Trainer) -> dict[str, Any] | None:
+        """In every rank (collective): a full checkpoint on rank 0, one file the driver keeps; None elsewhere."""
+        with _lightning.sharded.full_checkpoints(self):
+            checkpoint = _lightning.dump_checkpoint(trainer)
+        return checkpoint if self.global_rank == 0 else None
 
     def _local_checkpoint_path(self, filepath: Any) -> Path:
         """Where this rank writes or removes its part of the checkpoint rank 0 names ``filepath``."""
