@@ -24,7 +24,12 @@ from ray_lightning.environment import RayEnvironment
 from ray_lightning.errors import ClusterResourceError, RayWorkerError, WorkerHangError
 from ray_lightning.horovod.strategy import HorovodRayStrategy
 from ray_lightning.launch.idle_pool import release_idle_workers
-from ray_lightning.strategies.accelerator import HorovodRayAccelerator, RayAccelerator
+from ray_lightning.strategies.accelerator import (
+    HorovodRayAccelerator,
+    RayAccelerator,
+    RayFSDPAccelerator,
+    RayModelParallelAccelerator,
+)
 from ray_lightning.strategies.ddp import RayStrategy
 from ray_lightning.strategies.fsdp import RayFSDPStrategy
 from ray_lightning.strategies.model_parallel import RayModelParallelStrategy
@@ -39,6 +44,8 @@ __all__ = [
     "HorovodRayStrategy",
     "RayAccelerator",
     "RayEnvironment",
+    "RayFSDPAccelerator",
+    "RayModelParallelAccelerator",
     "RayFSDPStrategy",
     "RayModelParallelStrategy",
     "RayStrategy",

@@ -111,3 +111,17 @@ def test_the_strategies_are_in_lightnings_registry():
     assert isinstance(trainer.strategy, RayFSDPStrategy)
     trainer = pl.Trainer(strategy="model_parallel_ray", logger=False, enable_checkpointing=False)
     assert isinstance(trainer.strategy, RayModelParallelStrategy)
+
+
+def test_the_accelerator_forms_and_both_lightning_packages():
+    import lightning.pytorch as L
+
+    from ray_lightning import RayFSDPAccelerator, RayModelParallelAccelerator
+
+    trainer = pl.Trainer(accelerator=RayFSDPAccelerator(num_workers=2, auto_wrap_policy={nn.Linear}), logger=False)
+    assert isinstance(trainer.strategy, RayFSDPStrategy) and trainer.strategy.num_workers == 2
+    trainer = L.Trainer(accelerator=RayModelParallelAccelerator(num_workers=2, tensor_parallel_size=2), logger=False)
+    assert isinstance(trainer.strategy, L.strategies.ModelParallelStrategy)
+    assert trainer.strategy.mesh_shape == (1, 2)
+    trainer = L.Trainer(strategy=RayFSDPStrategy(num_workers=2, cpu_offload=True), logger=False)
+    assert isinstance(trainer.strategy, L.strategies.ModelParallelStrategy) and trainer.strategy.cpu_offload is True

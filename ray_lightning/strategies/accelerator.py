@@ -233,6 +233,46 @@ class _HorovodRayAccelerator(_RayAccelerator):
 
 
 HorovodRayAccelerator = namespaces.family(_HorovodRayAccelerator, "accelerators.Accelerator", __name__)
-for _accelerator in (RayAccelerator, HorovodRayAccelerator):
+
+
+class _RayFSDPAccelerator(_RayAccelerator):
+    """Fully sharded data parallel on Ray actors: the classic form of :class:`~ray_lightning.RayFSDPStrategy`.
+
+    Takes ``RayAccelerator``'s arguments and any other ``RayFSDPStrategy`` argument.
+
+    Example::
+
+        trainer = pl.Trainer(accelerator=RayFSDPAccelerator(num_workers=4, use_gpu=True, auto_wrap_policy={Block}))
+    """
+
+    strategy_name = "fsdp_ray"
+
+    @staticmethod
+    @override
+    def name() -> str:
+        return "fsdp_ray"
+
+
+class _RayModelParallelAccelerator(_RayAccelerator):
+    """ModelParallelStrategy on Ray actors: the classic form of :class:`~ray_lightning.RayModelParallelStrategy`.
+
+    Takes ``RayAccelerator``'s arguments and any other ``RayModelParallelStrategy`` argument.
+
+    Example::
+
+        trainer = pl.Trainer(accelerator=RayModelParallelAccelerator(num_workers=4, tensor_parallel_size=2))
+    """
+
+    strategy_name = "model_parallel_ray"
+
+    @staticmethod
+    @override
+    def name() -> str:
+        return "model_parallel_ray"
+
+
+RayFSDPAccelerator = namespaces.family(_RayFSDPAccelerator, "accelerators.Accelerator", __name__)
+RayModelParallelAccelerator = namespaces.family(_RayModelParallelAccelerator, "accelerators.Accelerator", __name__)
+for _accelerator in (RayAccelerator, HorovodRayAccelerator, RayFSDPAccelerator, RayModelParallelAccelerator):
     description = f"{_accelerator.__name__} (ray_lightning)"
     namespaces.register(_accelerator, "accelerators.AcceleratorRegistry", _accelerator.name(), description)

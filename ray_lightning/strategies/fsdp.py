@@ -45,6 +45,7 @@ from typing_extensions import override
 from ray_lightning import _lightning, namespaces, runtime
 from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, check_keywords, resolve_worker_resources
 from ray_lightning.environment import RayEnvironment
+from ray_lightning.strategies.accelerator import RayFSDPAccelerator
 from ray_lightning.strategies.model_parallel import check_sharding_arguments
 from ray_lightning.strategies.sharded import ShardedWorkersMixin
 from ray_lightning.strategies.workers import RayWorkersMixin
@@ -105,6 +106,7 @@ class _RayFSDPStrategy(RayWorkersMixin, ShardedWorkersMixin):
     """
 
     strategy_name = "fsdp_ray"
+    accelerator_class = RayFSDPAccelerator
 
     def __init__(
         self,

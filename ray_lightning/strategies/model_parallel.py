@@ -22,6 +22,7 @@ from typing_extensions import override
 from ray_lightning import _lightning, namespaces, runtime
 from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, resolve_worker_resources
 from ray_lightning.environment import RayEnvironment
+from ray_lightning.strategies.accelerator import RayModelParallelAccelerator
 from ray_lightning.strategies.sharded import ShardedWorkersMixin
 from ray_lightning.strategies.workers import RayWorkersMixin
 
@@ -93,6 +94,7 @@ class _RayModelParallelStrategy(RayWorkersMixin, ShardedWorkersMixin):
     """
 
     strategy_name = "model_parallel_ray"
+    accelerator_class = RayModelParallelAccelerator
 
     def __init__(
         self,
