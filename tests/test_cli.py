@@ -82,3 +82,19 @@ def test_zero_workers_fails_before_any_worker_starts(tmp_path, strategy):
     assert "num_workers must be >= 1, got 0." in result.stdout, explain(result)
     assert "Started a local Ray instance" not in result.stdout, explain(result)
     assert not (tmp_path / "lightning_logs").exists()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy", ["RayFSDPStrategy", "RayModelParallelStrategy"])
+def test_sharded_strategies_take_their_arguments_from_the_command_line(tmp_path, strategy):
+    args = (f"--trainer.strategy=ray_lightning.{strategy}", "--trainer.strategy.num_workers=2")
+    extra = ("--trainer.strategy.state_dict_type=sharded",) if strategy == "RayFSDPStrategy" else (
+        "--trainer.strategy.tensor_parallel_size=2",
+    )
+    result = run_example("cli_digits.py", "fit", *args, *extra, "--print_config", cwd=tmp_path, timeout_s=150,
+                         stderr_apart=True)  # fmt: skip
+    assert result.returncode == 0, explain(result)
+    init_args = yaml.safe_load(result.stdout)["trainer"]["strategy"]["init_args"]
+    assert init_args["num_workers"] == 2 and init_args["max_failures"] is None, init_args
+    key, value = ("state_dict_type", "sharded") if strategy == "RayFSDPStrategy" else ("tensor_parallel_size", 2)
+    assert init_args[key] == value, init_args
