@@ -5,14 +5,17 @@ For every ``fit``/``validate``/``test``/``predict`` it
 1. connects to Ray (a local one is started if none is running) (:mod:`.session`),
 2. puts the Trainer, the module and the arguments into the object store once (:mod:`.payload`),
 3. takes the workers the last call of this process left waiting, if they match (:mod:`.idle_pool`);
-   otherwise checks that the cluster can hold the request and reserves it (:mod:`.placement`,
-   waiting at most ``placement_timeout_s``), and starts one actor per worker (:mod:`.worker_group`),
+   otherwise checks that the cluster (with what its autoscaler can add) can hold the request and
+   reserves it (:mod:`.placement`, waiting at most ``placement_timeout_s``, or ``scale_up_timeout_s``
+   while the autoscaler adds nodes), and starts one actor per worker (:mod:`.worker_group`),
 4. learns where each worker landed, has rank 0 open the rendezvous the strategy asks for, and gives
    each worker its rank, device and environment (:mod:`.contexts`),
 5. waits for all of them without polling, meanwhile running what rank 0 sends to the driver (the
    progress bar, Tune reports); the first failure stops the group and is raised with its rank and
-   traceback (:mod:`.poll`),
-6. copies rank 0's results and files onto the driver's Trainer (:mod:`ray_lightning.home`),
+   traceback (:mod:`.poll`). With ``max_failures``, a failure a restart can fix (a lost worker or node, a preemption) starts
+   the workers again from rank 0's newest recovery checkpoint instead (:mod:`.recovery`),
+6. copies rank 0's results and files onto the driver's Trainer (:mod:`ray_lightning.home`), the
+   weights in chunks, while the workers still hold them,
 7. leaves the workers waiting for the next call (``keep_workers_alive_s``), or stops them.
 """
 
@@ -113,8 +116,8 @@ class RayLauncher(*_lightning.launcher_bases()):
     ) -> tuple[list[WorkerOutput | None], WorkerGroup]:
         """Run the call until it succeeds, restarting its workers after failures a restart can fix."""
         while True:
-            group = self._acquire_group()
             try:
+                group = self._acquire_group()
                 return self._run(group, payload, recovery.checkpoint(checkpoint), recovery), group
             except BaseException as error:
                 if not recovery.restart_after(error, self._nodes):
