@@ -4,6 +4,8 @@
     python3 dev.py example   # train the main example on 2 Ray workers, print the metrics that came back
     python3 dev.py test      # run the whole test suite (extra arguments go to pytest)
     python3 dev.py bench     # run the benchmarks (benchmarks/README.md; extra arguments go to it)
+    python3 dev.py bench recovery   # restarts: recovery time against Ray Train, the checkpoints' cost
+    python3 dev.py bench sharded    # RayFSDPStrategy against Lightning's own sharded training
     python3 dev.py matrix    # the smoke tests on every corner of the supported version window (README table)
 
 Extra arguments go to the example script or to pytest (`python3 dev.py example --horovod`);
@@ -45,6 +47,8 @@ PYTHON = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 TORCH_VERSION = "2.13.0"
 HOROVOD_VERSION = "0.28.1"
 WHEEL_CACHE = Path(os.environ.get("RAY_LIGHTNING_WHEEL_CACHE", Path.home() / ".cache" / "ray_lightning" / "wheels"))
+# `dev.py bench NAME` runs benchmarks/NAME.py instead of the training-speed benchmark (benchmarks/run.py).
+BENCHMARKS = ("recovery", "sharded")
 # Everything whose change means the environment must be brought up to date.
 INSTALL_INPUTS = ("setup.py", "dev.py")
 
@@ -190,6 +194,8 @@ def main(argv: list[str]) -> int:
         cmd = [str(PYTHON), "examples/tune_digits.py", *(a for a in argv[1:] if a != "--tune")]
     elif argv[0] == "example":
         cmd = [str(PYTHON), "examples/train_digits.py", *argv[1:]]
+    elif argv[0] == "bench" and argv[1:2] and argv[1] in BENCHMARKS:
+        cmd = [str(PYTHON), "-m", f"benchmarks.{argv[1]}", *argv[2:]]
     elif argv[0] == "bench":
         cmd = [str(PYTHON), "-m", "benchmarks.run", *argv[1:]]
     else:
