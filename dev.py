@@ -22,6 +22,8 @@ instead of `pytorch_lightning` (both are installed in `.venv/`).
 each with this checkout on PYTHONPATH, and writes the table between the README's matrix markers.
 `matrix NAME...` runs only those combinations. `test` ends with the oldest corner (MATRIX_IN_TEST).
 
+`test` also installs DeepSpeed (built against the venv's torch, `ensure_deepspeed`).
+
 `test` (and `example --horovod`) also installs Horovod (for HorovodRayStrategy). Horovod 0.28.1,
 its last release, does not build against torch >= 2.1 as released (it compiles as C++14; torch's
 headers need C++17), so this builds its sdist once with that one-line fix and keeps the wheel in a per-machine cache
@@ -46,6 +48,7 @@ VENV = ROOT / ".venv"
 PYTHON = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 TORCH_VERSION = "2.13.0"
 HOROVOD_VERSION = "0.28.1"
+DEEPSPEED_VERSION = "0.19.8"
 WHEEL_CACHE = Path(os.environ.get("RAY_LIGHTNING_WHEEL_CACHE", Path.home() / ".cache" / "ray_lightning" / "wheels"))
 # `dev.py bench NAME` runs benchmarks/NAME.py instead of the training-speed benchmark (benchmarks/run.py).
 BENCHMARKS = ("recovery", "sharded")
@@ -101,7 +104,7 @@ def ensure_venv() -> None:
     if probe.returncode != 0:
         _install_torch()
     _pip("-e", ".[test]")
-    for old in [*VENV.glob(".installed-*"), *VENV.glob(".horovod-*")]:
+    for old in [*VENV.glob(".installed-*"), *VENV.glob(".horovod-*"), *VENV.glob(".deepspeed-*")]:
         old.unlink()
     stamp.touch()
 
@@ -178,6 +181,21 @@ def ensure_horovod() -> None:
     stamp.touch()
 
 
+def ensure_deepspeed() -> None:
+    """DeepSpeed (for RayDeepSpeedStrategy's tests), built against the venv's torch: its sdist's build would
+    otherwise fetch a torch of its own (several GB of CUDA packages). Its ops are compiled when first used."""
+    stamp = VENV / f".deepspeed-{DEEPSPEED_VERSION}"
+    if stamp.exists():
+        return
+    _pip("setuptools", "wheel", "packaging")
+    env = dict(os.environ, DS_BUILD_OPS="0")
+    _run(
+        str(PYTHON), "-m", "pip", "install", "--disable-pip-version-check", "--no-build-isolation",
+        f"deepspeed=={DEEPSPEED_VERSION}", env=env,
+    )  # fmt: skip
+    stamp.touch()
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("example", "test", "bench", "matrix"):
         print(__doc__)
@@ -189,6 +207,8 @@ def main(argv: list[str]) -> int:
     ensure_venv()
     if argv[0] in ("test", "bench") or "--horovod" in argv:
         ensure_horovod()
+    if argv[0] == "test":
+        ensure_deepspeed()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if argv[0] == "example" and "--tune" in argv:
         cmd = [str(PYTHON), "examples/tune_digits.py", *(a for a in argv[1:] if a != "--tune")]

@@ -24,6 +24,9 @@ setup(
         # Horovod 0.28.1 must be built with C++17 to compile against torch >= 2.1 (README:
         # "Installing Horovod"); where it is already installed this extra only checks the version.
         "horovod": ["horovod>=0.28.1"],
+        # RayDeepSpeedStrategy (Lightning needs DeepSpeed >= 0.16 with torch >= 2.6). Where torch must not be
+        # replaced (a CPU build), install it with DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed.
+        "deepspeed": ["deepspeed>=0.16"],
         "test": [
             # Both Lightning packages: the suite runs with both installed, the normal case.
             "lightning>=2.4",
@@ -35,7 +38,8 @@ setup(
             "ipykernel",
             "nbclient",
             "nbformat",
-            "ruff",
+            # Pinned to one minor release: a new one can add lint findings, and tests/test_lint.py would fail on them.
+            "ruff~=0.17.6",
             # The Hydra app example (examples/hydra_app.py).
             "hydra-core>=1.3",
             # LightningCLI (examples/cli_digits.py): pytorch_lightning.cli needs jsonargparse[signatures]>=4.27.7;

@@ -27,11 +27,14 @@ from ray_lightning.launch.idle_pool import release_idle_workers
 from ray_lightning.strategies.accelerator import (
     HorovodRayAccelerator,
     RayAccelerator,
+    RayDeepSpeedAccelerator,
     RayFSDPAccelerator,
     RayModelParallelAccelerator,
 )
 from ray_lightning.strategies.ddp import RayStrategy
+from ray_lightning.strategies.deepspeed import RayDeepSpeedStrategy
 from ray_lightning.strategies.fsdp import RayFSDPStrategy
+from ray_lightning.strategies.fsdp1 import RayFSDP1Strategy
 from ray_lightning.strategies.model_parallel import RayModelParallelStrategy
 
 __version__ = "0.6.0"
@@ -43,7 +46,10 @@ __all__ = [
     "HorovodRayAccelerator",
     "HorovodRayStrategy",
     "RayAccelerator",
+    "RayDeepSpeedAccelerator",
+    "RayDeepSpeedStrategy",
     "RayEnvironment",
+    "RayFSDP1Strategy",
     "RayFSDPAccelerator",
     "RayModelParallelAccelerator",
     "RayFSDPStrategy",

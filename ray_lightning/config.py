@@ -218,6 +218,20 @@ def check_keywords(owner: str, given: Iterable[str], accepted: Iterable[str], ta
     )
 
 
+def refuse_decided(owner: str, kwargs: dict[str, Any], decided: dict[str, str]) -> dict[str, Any]:
+    """The keyword arguments to pass on to Lightning, without those ``owner`` decides itself (name -> why).
+
+    Those given as None are dropped (LightningCLI/jsonargparse passes every argument of Lightning's
+    strategy with its default); any other value of them is refused, saying why.
+    """
+    kwargs = {k: v for k, v in kwargs.items() if not (k in decided and v is None)}
+    given = sorted(set(decided) & set(kwargs))
+    if given:
+        reasons = "; ".join(f"{name} itself ({decided[name]})" for name in given)
+        raise TypeError(f"{owner} sets {reasons}; do not pass {', '.join(given)}.")
+    return kwargs
+
+
 def check_init_hook(init_hook: Any) -> None:
     """``init_hook`` is called in every worker with no arguments: refuse what cannot be."""
     if init_hook is None:

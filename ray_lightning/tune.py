@@ -25,11 +25,13 @@ through Ray's object store, so they reach Tune's storage from any node, shared f
 from __future__ import annotations
 
 import functools
+import io
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from ray.tune import PlacementGroupFactory
 from typing_extensions import override
 
@@ -175,7 +177,8 @@ class TuneReportCheckpointCallback(TuneReportCallback):
     """Report metrics to Ray Tune together with a Lightning checkpoint of the training so far.
 
     The checkpoint is written by ``trainer.save_checkpoint`` (weights, optimizer, loops, callbacks)
-    and stored by Tune with the trial. Load it with
+    and stored by Tune with the trial; under ``RayFSDPStrategy``/``RayModelParallelStrategy`` it is
+    the full checkpoint gathered on rank 0, one file whatever their ``state_dict_type``. Load it with
     ``Model.load_from_checkpoint(os.path.join(result.checkpoint.path, filename))``; resume a trial
     with ``ray.tune.get_checkpoint()`` and ``trainer.fit(model, ckpt_path=...)``.
 
@@ -208,8 +211,22 @@ class TuneReportCheckpointCallback(TuneReportCallback):
         super().__init__(metrics, on)
         self._filename = filename
 
+    # Strategies whose own checkpoints are written by every rank (DeepSpeed's directories) refuse this
+    # callback before launch: it sends Tune one file.
+    sends_one_checkpoint_file = True
+
     def _report(self, trainer: pl.Trainer) -> None:
         metrics = self._collect(trainer) if trainer.is_global_zero else {}
+        gather = getattr(trainer.strategy, "full_checkpoint", None)
+        if gather is not None:
+            # A sharded strategy's own checkpoint may be a directory of every rank's shards (on several
+            # machines): Tune gets the full checkpoint, gathered on rank 0 by every rank, as one file.
+            checkpoint = gather(trainer)
+            if trainer.is_global_zero:
+                buffer = io.BytesIO()
+                torch.save(checkpoint, buffer)
+                send_to_driver(report_to_tune, metrics, (self._filename, buffer.getvalue()))
+            return
         # Every rank takes part in save_checkpoint (it synchronizes them); only rank 0 writes.
         with tempfile.TemporaryDirectory(prefix="ray_lightning-tune-") as directory:
             path = os.path.join(directory, self._filename)

@@ -84,17 +84,27 @@ def test_zero_workers_fails_before_any_worker_starts(tmp_path, strategy):
     assert not (tmp_path / "lightning_logs").exists()
 
 
+# A strategy, and one of its own arguments with a value that is not its default.
+SHARDED_ARGUMENTS = {
+    "RayFSDPStrategy": ("state_dict_type", "sharded"),
+    "RayModelParallelStrategy": ("tensor_parallel_size", 2),
+    "RayFSDP1Strategy": ("state_dict_type", "sharded"),
+    "RayDeepSpeedStrategy": ("stage", 3),
+}
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("strategy", ["RayFSDPStrategy", "RayModelParallelStrategy"])
+@pytest.mark.parametrize("strategy", list(SHARDED_ARGUMENTS))
 def test_sharded_strategies_take_their_arguments_from_the_command_line(tmp_path, strategy):
+    if strategy == "RayDeepSpeedStrategy":
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    key, value = SHARDED_ARGUMENTS[strategy]
     args = (f"--trainer.strategy=ray_lightning.{strategy}", "--trainer.strategy.num_workers=2")
-    extra = ("--trainer.strategy.state_dict_type=sharded",) if strategy == "RayFSDPStrategy" else (
-        "--trainer.strategy.tensor_parallel_size=2",
-    )
-    result = run_example("cli_digits.py", "fit", *args, *extra, "--print_config", cwd=tmp_path, timeout_s=150,
-                         stderr_apart=True)  # fmt: skip
+    result = run_example("cli_digits.py", "fit", *args, f"--trainer.strategy.{key}={value}", "--print_config",
+                         cwd=tmp_path, timeout_s=150, stderr_apart=True)  # fmt: skip
     assert result.returncode == 0, explain(result)
-    init_args = yaml.safe_load(result.stdout)["trainer"]["strategy"]["init_args"]
+    # DeepSpeed logs to stdout when it finds no GPU ("[<time>] [WARNING] [real_accelerator.py...").
+    config = "\n".join(line for line in result.stdout.splitlines() if not re.match(r"\[\d{4}-\d\d-\d\d ", line))
+    init_args = yaml.safe_load(config)["trainer"]["strategy"]["init_args"]
     assert init_args["num_workers"] == 2 and init_args["max_failures"] is None, init_args
-    key, value = ("state_dict_type", "sharded") if strategy == "RayFSDPStrategy" else ("tensor_parallel_size", 2)
     assert init_args[key] == value, init_args

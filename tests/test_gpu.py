@@ -74,3 +74,52 @@ def test_horovod_worker_trains_on_cuda(tmp_path):
     (start,) = _fit(tmp_path, HorovodRayStrategy(num_workers=1, use_gpu=True))
     assert start["device"] == "cuda:0"
     assert start["resources"]["GPU"] == 1.0
+
+
+# -- models bigger than one worker, on GPUs ------------------------------------------------------
+
+
+def _fit_mlp(strategy, **trainer_kwargs):
+    from tests.sharded_models import MLP
+
+    pl.seed_everything(0)
+    model = MLP()
+    trainer = pl.Trainer(
+        max_epochs=2, strategy=strategy, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        **trainer_kwargs,
+    )  # fmt: skip
+    trainer.fit(model)
+    return model, trainer
+
+
+@pytest.fixture(scope="module")
+def gpu_ddp_weights():
+    model, _ = _fit_mlp(RayStrategy(num_workers=GPUS, use_gpu=True), enable_checkpointing=False)
+    return model.state_dict()
+
+
+def _sharded_gpu_strategies():
+    from ray_lightning import RayDeepSpeedStrategy, RayFSDP1Strategy, RayFSDPStrategy
+
+    yield "fsdp2", lambda: RayFSDPStrategy(num_workers=GPUS, use_gpu=True)
+    yield "fsdp1-sharded", lambda: RayFSDP1Strategy(num_workers=GPUS, state_dict_type="sharded")
+    yield "fsdp1-full", lambda: RayFSDP1Strategy(num_workers=GPUS)
+    yield "deepspeed-stage3", lambda: RayDeepSpeedStrategy(num_workers=GPUS, use_gpu=True, stage=3)
+
+
+@pytest.mark.parametrize("name, make", list(_sharded_gpu_strategies()), ids=lambda v: v if isinstance(v, str) else "")
+def test_sharded_strategies_train_on_cuda_and_bring_the_full_weights_home(name, make, gpu_ddp_weights, tmp_path):
+    if name.startswith("deepspeed"):
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from tests.sharded_models import MLP
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt")
+    model, trainer = _fit_mlp(make(), callbacks=[checkpoint])
+    weights = model.state_dict()
+    assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in weights.values()), name
+    torch.testing.assert_close(weights, gpu_ddp_weights, rtol=1e-4, atol=1e-5)
+    # The checkpoint (a file, or a directory of every rank's parts) is on this machine and tests on new workers.
+    (result,) = pl.Trainer(strategy=make(), logger=False).test(MLP(), ckpt_path=checkpoint.best_model_path)
+    assert result["test_loss"] > 0

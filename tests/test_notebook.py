@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 import shutil
@@ -182,3 +183,5 @@ def test_sharded_strategies_train_in_a_jupyter_kernel(tmp_path):
     text = _stream_text(notebook.cells[-1])
     # The weights came home as plain tensors into the notebook's own module.
     assert "TRAINED fsdp Parameter" in text and "TRAINED model_parallel Parameter" in text, text
+    if importlib.util.find_spec("deepspeed") is not None:
+        assert "TRAINED deepspeed Parameter" in text, text

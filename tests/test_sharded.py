@@ -1,6 +1,7 @@
 """Models bigger than one worker: RayFSDPStrategy (FSDP2) and RayModelParallelStrategy on real Ray workers with gloo.
 
-FSDP2 and tensor parallelism run on CPU here; the FSDP1 and DeepSpeed strategies' GPU runs are in tests/test_gpu.py.
+FSDP2 and tensor parallelism run on CPU here; FSDP1 needs GPUs (its GPU runs are in tests/test_gpu.py, with every
+sharded strategy's); DeepSpeed's CPU runs are in tests/test_deepspeed.py.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from ray_lightning import RayFSDPStrategy, RayModelParallelStrategy, RayStrategy
+from ray_lightning import RayFSDP1Strategy, RayFSDPStrategy, RayModelParallelStrategy, RayStrategy
 from tests.sharded_models import MLP, BlockModel, DenseBlockModel, ShardedMLP
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -90,6 +91,9 @@ def test_tensor_parallel_block_trains_and_comes_home():
         (lambda: RayFSDPStrategy(num_workers=2, mixed_precision="bf16"), TypeError, "MixedPrecisionPolicy"),
         (lambda: RayFSDPStrategy(num_workers=2, reshard_after_forwards=True), TypeError, "reshard_after_forward"),
         (lambda: RayFSDPStrategy(num_workers=2, process_group_backend="nccl"), ValueError, "use_gpu=True"),
+        (lambda: RayFSDP1Strategy(num_workers=2, use_gpu=False), ValueError, r"Use RayFSDPStrategy \(FSDP2\)"),
+        (lambda: RayFSDP1Strategy(num_workers=2, auto_wrap_polcy={nn.Linear}), TypeError, "'auto_wrap_policy'"),
+        (lambda: RayFSDP1Strategy(num_workers=2, device_id=0), TypeError, "sets device_id itself"),
     ],
 )
 def test_sizes_and_options_that_cannot_work_fail_in_the_constructor(make, error, match):
@@ -111,6 +115,20 @@ def test_the_strategies_are_in_lightnings_registry():
     assert isinstance(trainer.strategy, RayFSDPStrategy)
     trainer = pl.Trainer(strategy="model_parallel_ray", logger=False, enable_checkpointing=False)
     assert isinstance(trainer.strategy, RayModelParallelStrategy)
+    trainer = pl.Trainer(strategy="fsdp1_ray", logger=False, enable_checkpointing=False)
+    assert isinstance(trainer.strategy, pl.strategies.FSDPStrategy) and trainer.strategy.use_gpu
+
+
+def test_fsdp1_on_a_cluster_without_gpus_fails_before_any_worker_starts():
+    from ray_lightning import ClusterResourceError
+
+    strategy = RayFSDP1Strategy(num_workers=2, auto_wrap_policy={nn.Linear}, state_dict_type="sharded")
+    trainer = pl.Trainer(strategy=strategy, logger=False, enable_checkpointing=False)
+    with pytest.raises(ClusterResourceError, match="GPU"):
+        trainer.fit(MLP())
+    from tests.conftest import alive_worker_actors
+
+    assert not alive_worker_actors()
 
 
 def test_the_accelerator_forms_and_both_lightning_packages():

@@ -50,3 +50,23 @@ def test_a_sharded_checkpoint_comes_home_and_resumes_on_one_and_two_workers(two_
     resumed = _sharded_trainer(tmp_path, 1, 2)
     resumed.fit(MLP(), ckpt_path=best)
     assert (resumed.current_epoch, resumed.global_step) == (2, trainer.global_step + 8)
+
+
+def test_a_deepspeed_checkpoint_comes_home_whole_and_resumes(two_nodes, tmp_path):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (python3 dev.py test installs it)")
+    from ray_lightning import RayDeepSpeedStrategy
+
+    def trainer(max_epochs, **kwargs):
+        strategy = RayDeepSpeedStrategy(num_workers=2, stage=2, resources_per_worker={"CPU": 1, "slot": 1})
+        return pl.Trainer(max_epochs=max_epochs, strategy=strategy, enable_progress_bar=False, logger=False, **kwargs)
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt")
+    first = trainer(1, callbacks=[checkpoint])
+    first.fit(MLP())
+    # Each rank wrote its optimizer partition on its own node; both are in the directory on this machine.
+    parts = os.listdir(os.path.join(checkpoint.best_model_path, "checkpoint"))
+    assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= set(parts), parts
+
+    resumed = trainer(2, enable_checkpointing=False)
+    resumed.fit(MLP(), ckpt_path=checkpoint.best_model_path)
+    assert (resumed.current_epoch, resumed.global_step) == (2, 2 * first.global_step)

@@ -137,6 +137,35 @@ def test_tuner_with_resources_reports_loadable_checkpoints(strategy_class, tmp_p
     assert best.metrics["loss"] == min(r.metrics["loss"] for r in results)
 
 
+def train_sharded_with_checkpoints(config):
+    from ray_lightning import RayFSDPStrategy
+    from tests.sharded_models import MLP
+
+    strategy = RayFSDPStrategy(num_workers=2, state_dict_type="sharded")
+    trainer = _trainer([TuneReportCheckpointCallback({"loss": "val_loss"}, filename="model.ckpt")], strategy)
+    trainer.fit(MLP())
+
+
+def test_a_sharded_trial_reports_one_full_checkpoint_file(tmp_path):
+    from tests.sharded_models import MLP
+
+    analysis = tune.run(
+        train_sharded_with_checkpoints,
+        resources_per_trial=get_tune_resources(num_workers=2),
+        storage_path=str(tmp_path),
+        verbose=0,
+    )
+    (trial,) = analysis.trials
+    assert trial.last_result["training_iteration"] == 3
+    # The strategy's own checkpoints are directories of shards; Tune got the full one, gathered on rank 0.
+    path = os.path.join(trial.checkpoint.path, "model.ckpt")
+    saved = torch.load(path, weights_only=False)
+    assert saved["epoch"] == 2 and saved["optimizer_states"], "a full training checkpoint"
+    assert all(type(t) is torch.Tensor for t in saved["state_dict"].values()), "full tensors, not shards"
+    restored = MLP.load_from_checkpoint(path)
+    assert restored.layer[0].weight.shape == (16, restored.hparams.dim)
+
+
 def train_fail_once_then_resume(config):
     marker = config["dir"] + "/failed-once"
     epochs = config["dir"] + "/epochs"

@@ -214,6 +214,8 @@ def _private_names(ns: Namespace) -> Iterator[PrivateName]:
     for name in (sharded.MESH, sharded.SAVE_DISTRIBUTED):
         yield PrivateName(model_parallel, name, lambda: ns.pl("strategies.ModelParallelStrategy")())
     yield PrivateName(f"{pl_}.LightningModule", sharded.MESH, lambda: ns.pl("LightningModule")())
+    fsdp = f"{pl_}.strategies.FSDPStrategy"
+    yield PrivateName(fsdp, sharded.STATE_DICT_TYPE, lambda: ns.pl("strategies.FSDPStrategy")())
     for where, needs, attributes, owner in logger_owners(ns):
         for name in attributes:
             yield PrivateName(where, name, owner, needs)

@@ -1,4 +1,4 @@
-"""Lightning's private names that the sharded strategies (``RayModelParallelStrategy``, ``RayFSDPStrategy``) use.
+"""Lightning's private names the sharded strategies use (``RayModelParallelStrategy``, ``RayFSDPStrategy``, FSDP1's).
 
 No public API does these jobs:
 
@@ -6,8 +6,9 @@ No public API does these jobs:
   ``strategy.device_mesh`` and ``self.device_mesh`` (in ``configure_model``) read the mesh; the Ray
   strategy builds the mesh from where Ray placed its workers and stores it there, as Lightning's
   ``setup_environment`` does.
-* ``ModelParallelStrategy._save_distributed_checkpoint``: whether checkpoints are sharded; a
-  recovery checkpoint (one file the driver keeps) is taken with it switched off for a moment.
+* ``ModelParallelStrategy._save_distributed_checkpoint`` and ``FSDPStrategy._state_dict_type``:
+  whether checkpoints are sharded; a recovery or Tune checkpoint (one file the driver keeps) is
+  taken with them set to full for a moment.
 * fabric's ``_load_checkpoint`` (a sharded directory or a full file into a sharded module, any number
   of ranks) and ``_METADATA_FILENAME`` (the non-tensor part of a sharded checkpoint, ``meta.pt``).
 * fabric's ``_rekey_optimizer_state_if_needed``, which ``_load_checkpoint`` calls on a full
@@ -33,6 +34,7 @@ from ray_lightning.namespaces import Namespace
 
 MESH = "_device_mesh"
 SAVE_DISTRIBUTED = "_save_distributed_checkpoint"
+STATE_DICT_TYPE = "_state_dict_type"  # FSDPStrategy's (FSDP1): "full" or "sharded"
 LOAD_CHECKPOINT = "strategies.model_parallel._load_checkpoint"  # fabric's
 REKEY = "strategies.model_parallel._rekey_optimizer_state_if_needed"  # fabric's
 METADATA_FILENAME = "utilities.load._METADATA_FILENAME"  # fabric's
@@ -53,12 +55,14 @@ def saves_sharded_checkpoints(strategy: Any) -> bool:
 @contextlib.contextmanager
 def full_checkpoints(strategy: Any) -> Iterator[None]:
     """For the block: the strategy's state dicts are full (gathered on rank 0), not sharded. Collective."""
-    saved = getattr(strategy, SAVE_DISTRIBUTED)
-    setattr(strategy, SAVE_DISTRIBUTED, False)
+    # ModelParallelStrategy's switch, or FSDPStrategy's state_dict_type.
+    name, full = (SAVE_DISTRIBUTED, False) if hasattr(strategy, SAVE_DISTRIBUTED) else (STATE_DICT_TYPE, "full")
+    saved = getattr(strategy, name)
+    setattr(strategy, name, full)
     try:
         yield
     finally:
-        setattr(strategy, SAVE_DISTRIBUTED, saved)
+        setattr(strategy, name, saved)
 
 
 def metadata_filename(ns: Namespace) -> str:

@@ -18,7 +18,7 @@ Decisions:
 * Rank 0 alone takes it: under DDP and Horovod every rank holds the same weights and optimizer
   state, and nothing here waits for the other ranks. Under a sharded strategy (its
   ``collective_checkpoints``) every rank takes part, the full state is gathered on rank 0
-  (``strategy.recovery_checkpoint``), and whether a preemption asks for one is agreed by all ranks
+  (``strategy.full_checkpoint``), and whether a preemption asks for one is agreed by all ranks
   at every step (a one-number all-reduce: a notice reaches rank 0 alone).
 * Lightning's checkpoints hold no random generator state: rank 0 sends its generators' states as
   the first step after a checkpoint starts, and a restarted fit sets them on every rank at its
@@ -109,7 +109,7 @@ class RecoveryCheckpoints(*namespaces.bases("callbacks.Checkpoint")):
         self._last_step, self._request = trainer.global_step, None
         started = time.perf_counter()
         runtime.mark_progress("training", f"recovery checkpoint ({reason})")
-        take = getattr(trainer.strategy, "recovery_checkpoint", None)
+        take = getattr(trainer.strategy, "full_checkpoint", None)
         checkpoint = take(trainer) if take is not None else _lightning.dump_checkpoint(trainer)
         if not trainer.is_global_zero:
             return  # took part in gathering rank 0's (a sharded strategy)

@@ -99,17 +99,7 @@ class _HorovodRayStrategy(RayWorkersMixin):
         # Fail here, on the driver, rather than in every worker.
         import_horovod_torch()
         self.keep_init_arguments(locals(), {})
-        self._init_workers(
-            resources,
-            init_hook,
-            placement_timeout_s=placement_timeout_s,
-            worker_start_timeout_s=worker_start_timeout_s,
-            keep_workers_alive_s=keep_workers_alive_s,
-            progress_timeout_s=progress_timeout_s,
-            scale_up_timeout_s=scale_up_timeout_s,
-            max_failures=max_failures,
-            recovery_checkpoint_every_n_steps=recovery_checkpoint_every_n_steps,
-        )
+        self.init_workers_from(resources, locals())
         super().__init__(cluster_environment=namespaces.sibling(RayEnvironment, self.namespace)(workers))
         self._failed = False
 

@@ -12,8 +12,9 @@ For every ``fit``/``validate``/``test``/``predict`` it
    each worker its rank, device and environment (:mod:`.contexts`),
 5. waits for all of them without polling, meanwhile running what rank 0 sends to the driver (the
    progress bar, Tune reports); the first failure stops the group and is raised with its rank and
-   traceback (:mod:`.poll`). With ``max_failures``, a failure a restart can fix (a lost worker or node, a preemption) starts
-   the workers again from rank 0's newest recovery checkpoint instead (:mod:`.recovery`),
+   traceback (:mod:`.poll`). With ``max_failures``, a failure a restart can fix (a lost worker or
+   node, a preemption) starts the workers again from rank 0's newest recovery checkpoint instead
+   (:mod:`.recovery`),
 6. copies rank 0's results and files onto the driver's Trainer (:mod:`ray_lightning.home`), the
    weights in chunks, while the workers still hold them,
 7. leaves the workers waiting for the next call (``keep_workers_alive_s``), or stops them.

@@ -271,8 +271,33 @@ class _RayModelParallelAccelerator(_RayAccelerator):
         return "model_parallel_ray"
 
 
+class _RayDeepSpeedAccelerator(_RayAccelerator):
+    """DeepSpeed ZeRO on Ray actors: the classic form of :class:`~ray_lightning.RayDeepSpeedStrategy`.
+
+    Takes ``RayAccelerator``'s arguments and any other ``RayDeepSpeedStrategy`` argument.
+
+    Example::
+
+        trainer = pl.Trainer(accelerator=RayDeepSpeedAccelerator(num_workers=4, use_gpu=True, stage=3))
+    """
+
+    strategy_name = "deepspeed_ray"
+
+    @staticmethod
+    @override
+    def name() -> str:
+        return "deepspeed_ray"
+
+
 RayFSDPAccelerator = namespaces.family(_RayFSDPAccelerator, "accelerators.Accelerator", __name__)
 RayModelParallelAccelerator = namespaces.family(_RayModelParallelAccelerator, "accelerators.Accelerator", __name__)
-for _accelerator in (RayAccelerator, HorovodRayAccelerator, RayFSDPAccelerator, RayModelParallelAccelerator):
+RayDeepSpeedAccelerator = namespaces.family(_RayDeepSpeedAccelerator, "accelerators.Accelerator", __name__)
+for _accelerator in (
+    RayAccelerator,
+    HorovodRayAccelerator,
+    RayFSDPAccelerator,
+    RayModelParallelAccelerator,
+    RayDeepSpeedAccelerator,
+):
     description = f"{_accelerator.__name__} (ray_lightning)"
     namespaces.register(_accelerator, "accelerators.AcceleratorRegistry", _accelerator.name(), description)

@@ -18,7 +18,13 @@ from typing import Any
 from typing_extensions import override
 
 from ray_lightning import namespaces, runtime
-from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, WorkerResources, check_keywords, resolve_worker_resources
+from ray_lightning.config import (
+    DEFAULT_PROGRESS_TIMEOUT_S,
+    WorkerResources,
+    check_keywords,
+    refuse_decided,
+    resolve_worker_resources,
+)
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.strategies.workers import RayWorkersMixin
 
@@ -59,11 +65,7 @@ def _check_ddp_kwargs(strategy: type, ddp_kwargs: Mapping[str, Any], resources: 
     Returns the arguments to pass on: those RayStrategy decides are dropped when they are None
     (LightningCLI/jsonargparse passes every DDP argument with its default, ``process_group=None``...).
     """
-    ddp_kwargs = {k: v for k, v in ddp_kwargs.items() if not (k in _DECIDED and v is None)}
-    decided = sorted(set(_DECIDED) & set(ddp_kwargs))
-    if decided:
-        reasons = "; ".join(f"{name} itself ({_DECIDED[name]})" for name in decided)
-        raise TypeError(f"RayStrategy sets {reasons}; do not pass {', '.join(decided)}.")
+    ddp_kwargs = refuse_decided("RayStrategy", ddp_kwargs, _DECIDED)
     check_keywords(
         "RayStrategy",
         ddp_kwargs,
@@ -160,17 +162,7 @@ class _RayStrategy(RayWorkersMixin):
         resources = resolve_worker_resources(num_workers, num_cpus_per_worker, use_gpu, resources_per_worker)
         ddp_kwargs = _check_ddp_kwargs(type(self), ddp_kwargs, resources)
         self.keep_init_arguments(locals(), ddp_kwargs)
-        self._init_workers(
-            resources,
-            init_hook,
-            placement_timeout_s=placement_timeout_s,
-            worker_start_timeout_s=worker_start_timeout_s,
-            keep_workers_alive_s=keep_workers_alive_s,
-            progress_timeout_s=progress_timeout_s,
-            scale_up_timeout_s=scale_up_timeout_s,
-            max_failures=max_failures,
-            recovery_checkpoint_every_n_steps=recovery_checkpoint_every_n_steps,
-        )
+        self.init_workers_from(resources, locals())
         # The arguments set here by name are the ones RayStrategy decides; naming them also keeps
         # LightningCLI/jsonargparse, which follows **ddp_kwargs into DDPStrategy, from offering them.
         super().__init__(

@@ -138,17 +138,7 @@ class _RayFSDPStrategy(RayWorkersMixin, ShardedWorkersMixin):
         check_sharding_arguments(resources.use_gpu, process_group_backend, timeout, full_weights_home)
         self._check_fsdp_arguments(cpu_offload, mixed_precision, state_dict_type, fsdp_kwargs)
         self.keep_init_arguments(locals(), fsdp_kwargs)
-        self._init_workers(
-            resources,
-            init_hook,
-            placement_timeout_s=placement_timeout_s,
-            worker_start_timeout_s=worker_start_timeout_s,
-            keep_workers_alive_s=keep_workers_alive_s,
-            progress_timeout_s=progress_timeout_s,
-            scale_up_timeout_s=scale_up_timeout_s,
-            max_failures=max_failures,
-            recovery_checkpoint_every_n_steps=recovery_checkpoint_every_n_steps,
-        )
+        self.init_workers_from(resources, locals())
         self.full_weights_home = full_weights_home
         self.wraps = module_selector("auto_wrap_policy", auto_wrap_policy)
         self.checkpoints_activations = module_selector(

@@ -122,17 +122,7 @@ class _RayModelParallelStrategy(RayWorkersMixin, ShardedWorkersMixin):
         dp, tp = mesh_sizes(resources.num_workers, data_parallel_size, tensor_parallel_size)
         check_sharding_arguments(resources.use_gpu, process_group_backend, timeout, full_weights_home)
         self.keep_init_arguments(locals(), {})
-        self._init_workers(
-            resources,
-            init_hook,
-            placement_timeout_s=placement_timeout_s,
-            worker_start_timeout_s=worker_start_timeout_s,
-            keep_workers_alive_s=keep_workers_alive_s,
-            progress_timeout_s=progress_timeout_s,
-            scale_up_timeout_s=scale_up_timeout_s,
-            max_failures=max_failures,
-            recovery_checkpoint_every_n_steps=recovery_checkpoint_every_n_steps,
-        )
+        self.init_workers_from(resources, locals())
         self.full_weights_home = full_weights_home
         super().__init__(
             data_parallel_size=dp,

@@ -1,7 +1,11 @@
 """What the sharded strategies share: each rank holds part of the model, so checkpoints and the weights are collective.
 
 :class:`ShardedWorkersMixin` goes after :class:`~ray_lightning.strategies.workers.RayWorkersMixin`
-and before Lightning's ``ModelParallelStrategy`` (``RayModelParallelStrategy``, ``RayFSDPStrategy``):
+and before Lightning's ``ModelParallelStrategy`` (``RayModelParallelStrategy``, ``RayFSDPStrategy``).
+Its bases serve the strategies that wrap Lightning's other sharded strategies:
+:class:`RankPartsMixin` (where each rank writes or reads its part of a checkpoint, whether and how
+the full weights come home; ``RayDeepSpeedStrategy``) and :class:`FullCheckpointsMixin` (a full
+checkpoint gathered on rank 0 for restarts and Tune; ``RayFSDP1Strategy``).
 
 * **The weights home.** After ``fit`` the driver's module gets the full trained weights, gathered
   on rank 0 (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``: the other ranks hold
@@ -16,8 +20,10 @@ and before Lightning's ``ModelParallelStrategy`` (``RayModelParallelStrategy``, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,13 +40,11 @@ if TYPE_CHECKING:
 FULL_WEIGHTS_MEMORY_SHARE = 0.5
 
 
-class ShardedWorkersMixin:
-    """Checkpoints, loading and the weights home of a strategy whose ranks each hold a shard."""
+class RankPartsMixin:
+    """Where each rank writes its part of a checkpoint, and whether the full weights come home."""
 
     # Every rank writes part of each checkpoint (the launcher stages the ranks off the driver's machine).
     every_rank_writes = True
-    # Recovery checkpoints (max_failures) take every rank (home.recovery).
-    collective_checkpoints = True
     full_weights_home: bool | None
     _worker: Any
 
@@ -61,6 +65,54 @@ class ShardedWorkersMixin:
                 "write (ModelCheckpoint). Pass full_weights_home=True to bring them anyway."
             )
 
+    def _local_checkpoint_path(self, filepath: Any) -> Path:
+        """Where this rank writes or removes its part of the checkpoint rank 0 names ``filepath``."""
+        worker = self._worker
+        if worker is None:
+            return Path(filepath)
+        return Path(local_path(os.fspath(filepath), worker.rank_zero_staging, worker.staging_name))
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        # Every rank removes its own part (ModelCheckpoint replacing an older checkpoint).
+        path = self._local_checkpoint_path(filepath)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.is_file() and self.global_rank == 0:
+            path.unlink()
+
+    @contextlib.contextmanager
+    def each_rank_keeps_its_path(self) -> Iterator[None]:
+        """For the block, ``broadcast`` leaves every rank its own object.
+
+        Lightning's sharded strategies broadcast rank 0's checkpoint path before writing or reading;
+        here each rank writes into its own place (a staging directory off the driver's machine) and
+        reads its own copy (the launcher sends the checkpoint to every machine).
+        """
+        self._keep_own_objects = True
+        try:
+            yield
+        finally:
+            self._keep_own_objects = False
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if getattr(self, "_keep_own_objects", False):
+            return obj
+        return super().broadcast(obj, src)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        # Lightning's own, with every rank writing where it must.
+        path = self._local_checkpoint_path(self.broadcast(filepath))
+        with self.each_rank_keeps_its_path():
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        with self.each_rank_keeps_its_path():
+            return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+
     def weights_for_driver(self) -> dict[str, Any] | None:
         """In every rank (collective): the full state dict on rank 0, None elsewhere or when it stays."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -71,18 +123,22 @@ class ShardedWorkersMixin:
         state = get_model_state_dict(self.model, options=options)
         return state if self.global_rank == 0 else None
 
-    def recovery_checkpoint(self, trainer: pl.Trainer) -> dict[str, Any] | None:
+
+class FullCheckpointsMixin(RankPartsMixin):
+    """A strategy whose full checkpoint (restarts, Tune) is gathered on rank 0 by every rank."""
+
+    # Recovery checkpoints (max_failures) take every rank (home.recovery).
+    collective_checkpoints = True
+
+    def full_checkpoint(self, trainer: pl.Trainer) -> dict[str, Any] | None:
         """In every rank (collective): a full checkpoint on rank 0, one file the driver keeps; None elsewhere."""
         with _lightning.sharded.full_checkpoints(self):
             checkpoint = _lightning.dump_checkpoint(trainer)
         return checkpoint if self.global_rank == 0 else None
 
-    def _local_checkpoint_path(self, filepath: Any) -> Path:
-        """Where this rank writes or removes its part of the checkpoint rank 0 names ``filepath``."""
-        worker = self._worker
-        if worker is None:
-            return Path(filepath)
-        return Path(local_path(os.fspath(filepath), worker.rank_zero_staging, worker.staging_name))
+
+class ShardedWorkersMixin(FullCheckpointsMixin):
+    """Checkpoints and loading of a strategy whose ranks each hold a DTensor shard (FSDP2, tensor parallel)."""
 
     def save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
         """Each rank writes its shard (torch.distributed.checkpoint) into ``path``; rank 0 the rest (``meta.pt``)."""
@@ -110,15 +166,6 @@ class ShardedWorkersMixin:
             shutil.rmtree(path)  # a sharded checkpoint of the same name, saved before
         if self.global_rank == 0:
             self.checkpoint_io.save_checkpoint(checkpoint, path)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        # Every rank removes its own part (ModelCheckpoint replacing an older checkpoint).
-        path = self._local_checkpoint_path(filepath)
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        elif path.is_file() and self.global_rank == 0:
-            path.unlink()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -41,6 +41,19 @@ if TYPE_CHECKING:
     import pytorch_lightning as pl
 
 
+# The constructor arguments every strategy's workers share (RayWorkersMixin._init_workers).
+WORKER_ARGUMENTS = (
+    "init_hook",
+    "placement_timeout_s",
+    "worker_start_timeout_s",
+    "keep_workers_alive_s",
+    "progress_timeout_s",
+    "scale_up_timeout_s",
+    "max_failures",
+    "recovery_checkpoint_every_n_steps",
+)
+
+
 class RayWorkersMixin(LightningStrategyHooks):
     """Workers on Ray actors for a Lightning ``ParallelStrategy`` subclass; see the module docstring."""
 
@@ -81,6 +94,11 @@ class RayWorkersMixin(LightningStrategyHooks):
         self.restarts: list[Any] = []
         self._worker: WorkerContext | None = None
         self._rendezvous_store: Any = None
+
+    def init_workers_from(self, resources: WorkerResources, arguments: dict[str, Any]) -> None:
+        """:meth:`_init_workers` with the constructor's own arguments (its ``locals()``); those a strategy
+        does not take keep their defaults."""
+        self._init_workers(resources, **{k: arguments[k] for k in WORKER_ARGUMENTS if k in arguments})
 
     @property
     def max_failures(self) -> int:

@@ -1,0 +1,218 @@
+"""``RayDeepSpeedStrategy``: Lightning's ``DeepSpeedStrategy`` (ZeRO stages 1-3) on Ray actors.
+
+Lightning's strategy does the work (the DeepSpeed config, ``deepspeed.initialize``, precision,
+ZeRO checkpoints); this class changes where the processes come from, how they meet and what
+comes home, as for ``RayStrategy``:
+
+* The process group is ours (rank 0's TCPStore, gloo or NCCL); ``deepspeed.init_distributed``
+  adopts it instead of meeting through ``MASTER_ADDR``.
+* The device is the one Ray reserved. Lightning's strategy refuses every accelerator but its own
+  ``CUDAAccelerator``; the Ray accelerator follows the worker's device instead, and DeepSpeed
+  trains on CPUs too (its CPU accelerator, gloo). On a CPU worker the root device carries the local
+  rank as its index (``cpu:<local rank>``, which tensors ignore), the device rank DeepSpeed is given.
+* Checkpoints are DeepSpeed's: a directory every rank writes its partitions into. Ranks off the
+  driver's machine write into a staging directory that comes home, so ``best_model_path`` is a
+  whole directory on the driver's machine; ``fit``/``test(ckpt_path=...)`` send it to the workers.
+  Lightning's ``convert_zero_checkpoint_to_fp32_state_dict`` turns it into one file.
+* After ``fit`` the driver's module holds the full trained weights (gathered under ZeRO stage 3).
+
+Decisions:
+
+* No restarts (``max_failures`` must be 0): a ZeRO optimizer's state is partitioned over the ranks,
+  so the one-file recovery checkpoint rank 0 sends the driver cannot hold it, and resuming without
+  it would change the training. Tune's trial restarts from ``ModelCheckpoint`` directories work.
+* Every call starts new worker processes (no ``keep_workers_alive_s``): DeepSpeed keeps its
+  process groups in module globals, which a worker's next call would find pointing at a process
+  group that no longer exists.
+* ``TuneReportCheckpointCallback`` is refused before launch (it sends Tune one file, DeepSpeed
+  writes a directory on every rank); use ``TuneReportCallback`` with a ``ModelCheckpoint``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from typing_extensions import override
+
+from ray_lightning import namespaces, runtime
+from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, check_keywords, refuse_decided, resolve_worker_resources
+from ray_lightning.environment import RayEnvironment
+from ray_lightning.strategies.accelerator import RayDeepSpeedAccelerator
+from ray_lightning.strategies.model_parallel import check_sharding_arguments
+from ray_lightning.strategies.sharded import RankPartsMixin
+from ray_lightning.strategies.workers import RayWorkersMixin
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+# Arguments of Lightning's DeepSpeedStrategy this strategy decides, and why.
+_DECIDED = {
+    "accelerator": "from the GPUs the workers reserve",
+    "parallel_devices": "from the GPUs the workers reserve",
+    "cluster_environment": "from where Ray placed the workers",
+    "precision_plugin": "from Trainer(precision=...)",
+}
+INSTALL_HINT = (
+    "RayDeepSpeedStrategy needs DeepSpeed in the driver and the workers: pip install deepspeed "
+    "(where torch is the CPU build or must not be replaced: DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)."
+)
+
+
+def check_deepspeed_installed() -> None:
+    """Refuse, before anything starts, a DeepSpeed strategy where DeepSpeed is missing."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ImportError(INSTALL_HINT)
+
+
+class _RayDeepSpeedStrategy(RayWorkersMixin, RankPartsMixin):
+    """DeepSpeed ZeRO across Ray actors: Lightning's ``DeepSpeedStrategy``, one actor per worker.
+
+    Args:
+        num_workers, num_cpus_per_worker, use_gpu, resources_per_worker, init_hook: as for ``RayStrategy``.
+        stage: the ZeRO stage: 1 (optimizer state partitioned), 2 (and gradients, the default),
+            3 (and parameters).
+        full_weights_home: bring the trained weights into the driver's module after ``fit`` (gathered
+            on every rank under stage 3). None (default): when the model takes at most half the driver's
+            free memory.
+        placement_timeout_s, worker_start_timeout_s, progress_timeout_s, scale_up_timeout_s: as for
+            ``RayStrategy``. There is no ``keep_workers_alive_s``: every call starts new workers (see below).
+        max_failures: must be 0 (see the module's decisions); given for the workers' common signature.
+        **deepspeed_kwargs: any argument of Lightning's ``DeepSpeedStrategy`` (``config``,
+            ``offload_optimizer``, ``offload_parameters``, ``logging_batch_size_per_gpu``,
+            ``process_group_backend``, ``timeout``, ``load_full_weights``, ...).
+
+    Example::
+
+        trainer = pl.Trainer(strategy=RayDeepSpeedStrategy(num_workers=8, use_gpu=True, stage=3),
+                             precision="bf16-mixed")
+        trainer.fit(model)  # the full trained weights are in `model` afterwards
+    """
+
+    strategy_name = "deepspeed_ray"
+    accelerator_class = RayDeepSpeedAccelerator
+
+    def __init__(
+        self,
+        num_workers: int = 1,
+        num_cpus_per_worker: float = 1,
+        use_gpu: bool = False,
+        resources_per_worker: Mapping[str, float] | None = None,
+        init_hook: Callable[[], Any] | None = None,
+        *,
+        stage: int = 2,
+        full_weights_home: bool | None = None,
+        placement_timeout_s: float | None = None,
+        worker_start_timeout_s: float | None = None,
+        progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
+        scale_up_timeout_s: float | None = None,
+        max_failures: int | None = None,
+        **deepspeed_kwargs: Any,
+    ) -> None:
+        check_deepspeed_installed()
+        resources = resolve_worker_resources(num_workers, num_cpus_per_worker, use_gpu, resources_per_worker)
+        deepspeed_kwargs = self._check_deepspeed_arguments(stage, full_weights_home, deepspeed_kwargs, resources)
+        self.keep_init_arguments(locals(), deepspeed_kwargs)
+        self.init_workers_from(resources, locals())
+        # DeepSpeed keeps its process groups in module globals that outlive a call's process group:
+        # every call gets new worker processes.
+        self.keep_workers_alive_s = 0.0
+        if self.max_failures:
+            raise ValueError(
+                f"RayDeepSpeedStrategy cannot restart its workers (max_failures={self.max_failures}, from the argument "
+                "or RAY_LIGHTNING_MAX_FAILURES): a ZeRO optimizer's state is split over the ranks, and a restart "
+                "would resume without it. Use max_failures=0, or RayFSDPStrategy, which restarts."
+            )
+        self.full_weights_home = full_weights_home
+        super().__init__(
+            accelerator=None,
+            parallel_devices=None,
+            cluster_environment=namespaces.sibling(RayEnvironment, self.namespace)(self.num_workers),
+            stage=stage,
+            **deepspeed_kwargs,
+        )
+
+    @classmethod
+    def _check_deepspeed_arguments(
+        cls, stage: Any, full_weights_home: Any, kwargs: dict[str, Any], resources: Any
+    ) -> dict[str, Any]:
+        """Refuse here what would fail in every worker; returns the arguments to pass on."""
+        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be a ZeRO stage 0, 1, 2 or 3, got {stage!r}.")
+        kwargs = refuse_decided("RayDeepSpeedStrategy", kwargs, _DECIDED)
+        check_keywords(
+            "RayDeepSpeedStrategy", kwargs, cls.accepted_keywords(), "its arguments and Lightning's DeepSpeedStrategy's"
+        )
+        check_sharding_arguments(
+            resources.use_gpu, kwargs.get("process_group_backend"), kwargs.get("timeout"), full_weights_home
+        )
+        return kwargs
+
+    @classmethod
+    @override
+    def accepted_keywords(cls) -> set[str]:
+        parameters = inspect.signature(cls.namespace.pl("strategies.DeepSpeedStrategy").__init__).parameters
+        theirs = {n for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        return (super().accepted_keywords() | theirs) - set(_DECIDED) - {"self"}
+
+    @override
+    def check_trainer(self, trainer: pl.Trainer) -> None:
+        for callback in trainer.callbacks:
+            if getattr(callback, "sends_one_checkpoint_file", False):
+                raise TypeError(
+                    f"{type(callback).__name__} sends Tune one checkpoint file, but DeepSpeed writes a checkpoint "
+                    "directory with a part from every rank. Use TuneReportCallback with a ModelCheckpoint, or "
+                    "RayFSDPStrategy, whose Tune checkpoints are gathered into one file."
+                )
+        self.decide_full_weights(trainer)
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        device = super().root_device
+        if device.type == "cpu" and self._worker is not None:
+            # DeepSpeed takes the device's index as the worker's device rank; tensors ignore a CPU index.
+            return torch.device("cpu", self.local_rank)
+        return device
+
+    @override
+    def setup_environment(self) -> None:
+        # Lightning's refuses every accelerator but its CUDAAccelerator: skip to DDP's, which sets up
+        # the worker's device and then calls setup_distributed.
+        super(self.namespace.pl("strategies.DeepSpeedStrategy"), self).setup_environment()
+
+    @override
+    def setup_distributed(self) -> None:
+        import deepspeed
+
+        self.join_process_group()
+        # DeepSpeed adopts the process group that exists (it would otherwise meet at MASTER_ADDR itself).
+        deepspeed.init_distributed(self.worker_process_group_backend(), timeout=self.ddp_timeout)
+        runtime.mark_progress("setup", "prepare_data, setup hooks, deepspeed.initialize")
+
+    def weights_for_driver(self) -> dict[str, Any] | None:
+        """In every rank (collective under ZeRO stage 3): the full state dict on rank 0, None elsewhere."""
+        import deepspeed
+
+        if not getattr(self, "_send_full_weights", True):
+            return None
+        module = self.lightning_module
+        gathered = deepspeed.zero.GatheredParameters(
+            list(module.parameters()), modifier_rank=None, enabled=self.zero_stage_3
+        )
+        with gathered:
+            if self.global_rank != 0:
+                return None
+            return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+
+RayDeepSpeedStrategy = namespaces.family(_RayDeepSpeedStrategy, "strategies.DeepSpeedStrategy", __name__)
+namespaces.register(
+    RayDeepSpeedStrategy,
+    "strategies.StrategyRegistry",
+    "deepspeed_ray",
+    "DeepSpeed ZeRO on Ray actors (ray_lightning)",
+)

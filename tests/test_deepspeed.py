@@ -1,0 +1,115 @@
+"""RayDeepSpeedStrategy: Lightning's DeepSpeedStrategy (ZeRO) on real Ray workers, on CPUs with gloo.
+
+DeepSpeed trains on CPUs with its CPU accelerator; its GPU run (NCCL) is in tests/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from ray_lightning import RayDeepSpeedStrategy, RayStrategy
+from ray_lightning.tune import TuneReportCallback, TuneReportCheckpointCallback
+from tests.conftest import alive_worker_actors
+from tests.sharded_models import MLP
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (python3 dev.py test installs it)")
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def _trainer(strategy, **kwargs):
+    defaults = dict(max_epochs=2, strategy=strategy, enable_progress_bar=False, enable_model_summary=False)
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)
+
+
+@pytest.fixture(scope="module")
+def ddp_weights():
+    """What DDP on 2 workers trains the MLP to: ZeRO partitions the same training."""
+    pl.seed_everything(0)
+    model = MLP()
+    _trainer(RayStrategy(num_workers=2), logger=False, enable_checkpointing=False).fit(model)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_trains_the_same_weights_as_ddp_and_brings_them_home(ddp_weights, stage, tmp_path):
+    pl.seed_everything(0)
+    model = MLP()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt")
+    trainer = _trainer(RayDeepSpeedStrategy(num_workers=2, stage=stage), logger=False, callbacks=[checkpoint])
+    trainer.fit(model)
+    weights = model.state_dict()
+    assert all(t.numel() > 0 for t in weights.values()), "full weights on the driver, not ZeRO-3 partitions"
+    torch.testing.assert_close(weights, ddp_weights)
+    assert trainer.callback_metrics["val_loss"] > 0
+    # DeepSpeed's checkpoint: a directory on this machine, every rank's optimizer partition in it.
+    best = checkpoint.best_model_path
+    parts = os.listdir(os.path.join(best, "checkpoint"))
+    assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= set(parts), parts
+    # It converts to one file with Lightning's tool, which load_from_checkpoint reads: the weights that came home.
+    from pytorch_lightning.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    single = tmp_path / "single.ckpt"
+    convert_zero_checkpoint_to_fp32_state_dict(best, single)
+    torch.testing.assert_close(MLP.load_from_checkpoint(single).state_dict(), weights)
+
+
+def test_a_checkpoint_resumes_training_and_the_model_tests(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt")
+    first = _trainer(RayDeepSpeedStrategy(num_workers=2, stage=3), max_epochs=1, callbacks=[checkpoint])
+    first.fit(MLP())
+    resumed = _trainer(RayDeepSpeedStrategy(num_workers=2, stage=3), max_epochs=3, logger=False)
+    model = MLP()
+    resumed.fit(model, ckpt_path=checkpoint.best_model_path)
+    assert (resumed.current_epoch, resumed.global_step) == (3, 3 * first.global_step)
+    # test after fit: DeepSpeed's inference engine on the same workers' device ranks.
+    (result,) = resumed.test(model, verbose=False)
+    assert result["test_loss"] > 0
+    assert resumed.strategy.keep_workers_alive_s == 0  # every call starts new workers (DeepSpeed's globals)
+
+
+def test_a_lightning_trainer_and_the_accelerator_form():
+    import lightning.pytorch as L
+
+    from ray_lightning import RayDeepSpeedAccelerator
+
+    trainer = L.Trainer(accelerator=RayDeepSpeedAccelerator(num_workers=2, stage=1), logger=False)
+    assert isinstance(trainer.strategy, L.strategies.DeepSpeedStrategy)
+    assert trainer.strategy.num_workers == 2 and trainer.strategy.config["zero_optimization"]["stage"] == 1
+    trainer = pl.Trainer(strategy="deepspeed_ray", logger=False)
+    assert isinstance(trainer.strategy, RayDeepSpeedStrategy)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"max_failures": 1}, ValueError, "cannot restart its workers"),
+        ({"stage": 4}, ValueError, "ZeRO stage"),
+        ({"stge": 3}, TypeError, "did you mean 'stage'"),
+        ({"process_group_backend": "nccl"}, ValueError, "use_gpu=True"),
+        ({"cluster_environment": object()}, TypeError, "sets cluster_environment itself"),
+    ],
+)
+def test_arguments_that_cannot_work_fail_in_the_constructor(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        RayDeepSpeedStrategy(num_workers=2, **kwargs)
+
+
+def test_without_deepspeed_the_error_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    with pytest.raises(ImportError, match="pip install deepspeed"):
+        RayDeepSpeedStrategy(num_workers=2)
+
+
+def test_tune_checkpoints_are_refused_before_any_worker_starts():
+    callbacks = [TuneReportCallback("val_loss"), TuneReportCheckpointCallback("val_loss")]
+    trainer = _trainer(RayDeepSpeedStrategy(num_workers=2), logger=False, callbacks=callbacks)
+    with pytest.raises(TypeError, match="TuneReportCheckpointCallback sends Tune one checkpoint file"):
+        trainer.fit(MLP())
+    assert not alive_worker_actors()
