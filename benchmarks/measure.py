@@ -22,6 +22,7 @@ import os
 import resource
 import statistics
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -139,14 +140,29 @@ def _launched_by_lightning_ddp() -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--contender", required=True, choices=sorted(CONTENDERS))
-    parser.add_argument("--spec", required=True, help="JSON file with the sizes (benchmarks.workload.Spec)")
+    measurement_main(argv, __doc__, CONTENDERS, Spec, measure)
+
+
+def measurement_main(
+    argv: list[str] | None,
+    description: str | None,
+    contenders: Mapping[str, Any],
+    spec_class: type[Spec],
+    measure_fn: Callable[..., dict[str, Any] | None],
+) -> None:
+    """A measurement process's command line: ``--contender``, ``--spec`` (a ``spec_class`` as JSON), ``--result``.
+
+    Writes ``measure_fn(contender, spec, result_path, record)``'s measurement to ``--result`` (whole
+    or not at all); ranks that Lightning's launcher started record and write nothing.
+    """
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contender", required=True, choices=sorted(contenders))
+    parser.add_argument("--spec", required=True, help="JSON file with the sizes (a benchmarks.workload.Spec)")
     parser.add_argument("--result", required=True, help="where to write this measurement as JSON")
     args = parser.parse_args(argv)
     with open(args.spec) as f:
-        spec = Spec.from_json(f.read())
-    result = measure(CONTENDERS[args.contender], spec, args.result, record=not _launched_by_lightning_ddp())
+        spec = spec_class.from_json(f.read())
+    result = measure_fn(contenders[args.contender], spec, args.result, record=not _launched_by_lightning_ddp())
     if result is not None:
         partial = args.result + ".partial"
         with open(partial, "w") as f:

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, replace
 from importlib import metadata
 from pathlib import Path
@@ -45,15 +45,27 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the step time (10)")
     parser.add_argument("--batch-size", type=int, default=None, help="per worker (128)")
     parser.add_argument("--hidden", type=int, default=None, help="width of the MLP's hidden layers (1024)")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, default all")
+    add_run_options(parser, CONTENDERS, "the start time")
+    return parse_run_options(parser, argv, CONTENDERS)
+
+
+def add_run_options(parser: argparse.ArgumentParser, contenders: Iterable[str], default_name: str) -> None:
+    """The options of every benchmark this harness runs: which contenders, where the tables go, --tiny, the bound."""
+    parser.add_argument("--contenders", default=",".join(contenders), help="comma-separated, default all")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="directory for the tables")
-    parser.add_argument("--name", default=None, help="file name of the tables (default: the start time)")
+    parser.add_argument("--name", default=None, help=f"file name of the tables (default: {default_name})")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: checks the harness, measures nothing useful")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one measurement may take (900)")
+
+
+def parse_run_options(
+    parser: argparse.ArgumentParser, argv: list[str] | None, contenders: Iterable[str]
+) -> argparse.Namespace:
+    """``parser``'s arguments from ``argv``; a contender not in ``contenders`` is an error naming those there are."""
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.contenders.split(",")) - set(CONTENDERS))
+    unknown = sorted(set(args.contenders.split(",")) - set(contenders))
     if unknown:
-        parser.error(f"unknown contender(s) {unknown}; choose from {sorted(CONTENDERS)}")
+        parser.error(f"unknown contender(s) {unknown}; choose from {sorted(contenders)}")
     return args
 
 
@@ -132,11 +144,20 @@ def _machine(threads: int) -> dict[str, Any]:
     }
 
 
-def measure_once(name: str, spec_path: str, result_path: str, log_path: str, env: dict[str, str], timeout: float):
-    """One contender in a fresh driver process; returns its measurement or raises with the end of its log."""
+def measure_once(
+    name: str,
+    spec_path: str,
+    result_path: str,
+    log_path: str,
+    env: dict[str, str],
+    timeout: float,
+    entry: str = "benchmarks.measure",
+):
+    """One contender in a fresh driver process (``python -m entry``); returns its measurement or raises with the
+    end of its log."""
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.measure", "--contender", name, "--spec", spec_path,
+            [sys.executable, "-m", entry, "--contender", name, "--spec", spec_path,
              "--result", result_path],
             cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
             # Its own process group: ddp's and ddp_spawn's ranks go with it, whatever happens.
@@ -159,8 +180,11 @@ def measure_once(name: str, spec_path: str, result_path: str, log_path: str, env
     raise RuntimeError(f"the {name} driver process {what}; end of {log_path}:\n{tail}")
 
 
-def _measure_all(args: argparse.Namespace, spec: Spec, env: dict[str, str], logs: Path) -> tuple[list, list]:
-    """Every contender ``args.repeats`` times, round-robin; returns the measurements and the failures."""
+def _measure_all(
+    args: argparse.Namespace, spec: Spec, env: dict[str, str], logs: Path, entry: str = "benchmarks.measure"
+) -> tuple[list, list]:
+    """Every contender ``args.repeats`` times, round-robin, each in ``python -m entry``; returns the measurements
+    and the failures."""
     names = args.contenders.split(",")
     results: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
@@ -178,7 +202,7 @@ def _measure_all(args: argparse.Namespace, spec: Spec, env: dict[str, str], logs
                 result_path = os.path.join(scratch, f"{contender}-{repeat}.json")
                 log_path = str(logs / f"{contender}-{repeat}.log")
                 try:
-                    result = measure_once(contender, spec_path, result_path, log_path, env, args.timeout)
+                    result = measure_once(contender, spec_path, result_path, log_path, env, args.timeout, entry)
                 except RuntimeError as error:
                     print(error, file=sys.stderr, flush=True)
                     errors.append({"contender": contender, "repeat": repeat, "error": str(error), "log": log_path})
@@ -218,12 +242,17 @@ def main(argv: list[str] | None = None) -> int:
         "errors": errors,
         "measurements": results,
     }
-    text = report.markdown(document)
+    return publish(document, report.markdown(document), out, logs)
+
+
+def publish(document: dict[str, Any], text: str, out: Path, logs: Path) -> int:
+    """Write ``document`` to ``<out>/<name>.json`` and ``text`` to ``.md``, print it; 1 after a failed measurement."""
+    name = document["name"]
     (out / f"{name}.json").write_text(json.dumps(document, indent=1) + "\n")
     (out / f"{name}.md").write_text(text)
     print(text)
     print(f"Wrote {out / name}.json and .md; driver logs in {logs}", flush=True)
-    return 1 if errors else 0
+    return 1 if document["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -59,6 +59,9 @@ NOT_FORWARDED_ENV = ("WANDB_SERVICE",)
 RENDEZVOUS_TIMEOUT_FACTOR = 2.0
 # How long to look for a dead worker behind another worker's exception (its peers fail at once too).
 DEATH_GRACE_S = 2.0
+# After a worker died, how long a restart waits for the others to come out of the broken call (and
+# answer that they can run the next one) before it replaces them too.
+SALVAGE_WAIT_S = 5.0
 # How long a kept worker may take to say whether it can run another call before a fresh one replaces it.
 REUSE_CHECK_TIMEOUT_S = 30.0
 

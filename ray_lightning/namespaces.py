@@ -234,10 +234,15 @@ def _member_path(cls: type, ns: Namespace) -> str:
 
 
 def rebuild_for(obj: Any, ns: Namespace) -> Any:
-    """``obj`` as an object of its sibling in ``ns``, built from its constructor's arguments (``init_arguments``)."""
+    """``obj`` as an object of its sibling in ``ns``, built from its constructor's arguments (``init_arguments``),
+    sharing the attributes ``obj.shared_with_rebuild`` names."""
     if getattr(type(obj), "namespace", None) == ns:
         return obj
-    return sibling(obj, ns)(**obj.init_arguments)
+    rebuilt = sibling(obj, ns)(**obj.init_arguments)
+    # What the original and its rebuild both show (a record the rebuild appends to, which the caller reads).
+    for name in getattr(obj, "shared_with_rebuild", ()):
+        setattr(rebuilt, name, getattr(obj, name))
+    return rebuilt
 
 
 def register(member: type, registry: str, name: str, description: str) -> None:

@@ -49,6 +49,11 @@ class FailsOnce(BoringModel):
     def forward(self, x):
         return self.layer(self.dropout(x))
 
+    def on_fit_start(self):
+        # Which process ran each rank, attempt after attempt.
+        with open(self.marker + ".pids", "a") as f:
+            f.write(f"{self.global_rank} {os.getpid()}\n")
+
     def training_step(self, batch, batch_idx):
         if self.step_s:
             time.sleep(self.step_s)  # a step that takes time, as a real one does
@@ -121,6 +126,10 @@ def test_a_killed_worker_restarts_and_the_fit_ends_as_without_the_failure(tmp_pa
     steps = [int(r["step"]) for r in _csv_rows(trainer) if r["train_loss"]]
     assert steps == list(range(12))
     FailsOnce.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)
+    # The restart kept rank 0's process (it came out of the broken collective) and started one for rank 1.
+    pids = [tuple(map(int, line.split())) for line in (tmp_path / "killed.pids").read_text().splitlines()]
+    first, second = sorted(pids[:2]), sorted(pids[2:])
+    assert first[0] == second[0] and first[1] != second[1], pids
     wait_for(lambda: len(alive_worker_actors()) <= 2, 30, "the failed group's actors to be gone")
 
 
@@ -270,3 +279,12 @@ def test_a_sharded_fit_restarts_from_a_checkpoint_gathered_on_rank_zero(tmp_path
     assert (restart.rank, restart.epoch, restart.global_step) == (1, 1, 4)
     assert (trainer.current_epoch, trainer.global_step) == (3, 12)
     assert torch.equal(model.layer.weight, _reference_weights(tmp_path, RayFSDPStrategy))
+
+
+def test_the_callers_strategy_shows_the_restarts_of_its_rebuild():
+    import lightning.pytorch as L
+
+    strategy = RayStrategy(num_workers=2, max_failures=1)
+    trainer = L.Trainer(strategy=strategy, logger=False)
+    # A lightning.pytorch Trainer uses a rebuild of the pytorch_lightning strategy; the record is one list.
+    assert trainer.strategy is not strategy and trainer.strategy.restarts is strategy.restarts

@@ -12,7 +12,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from ray_lightning.home.files import WriteScope
 from ray_lightning.home.predictions import merge_predictions
 from ray_lightning.home.results import WorkerOutput, apply_to_driver
-from ray_lightning.home.weights import pack_weights, unpack_weights
+from ray_lightning.home.weights import WeightPart, load_chunks, pack, pack_in_chunks, unpack
 
 Pair = namedtuple("Pair", "a b")
 
@@ -98,11 +98,10 @@ def test_checkpoint_files_from_another_node_are_written_on_the_driver(tmp_path):
     ids=["float32", "float64-transposed", "scalar", "empty", "bool", "bfloat16"],
 )
 def test_weights_survive_packing(tensor):
-    state = {"w": tensor, "extra": {"step": 3}}
-    unpacked = unpack_weights(pack_weights(state))
-    assert unpacked["w"].dtype == tensor.dtype and unpacked["w"].shape == tensor.shape
-    assert torch.equal(unpacked["w"], tensor)
-    assert unpacked["extra"] == {"step": 3}
+    unpacked = unpack(pack(tensor))
+    assert unpacked.dtype == tensor.dtype and unpacked.shape == tensor.shape
+    assert torch.equal(unpacked, tensor)
+    assert unpack(pack({"step": 3})) == {"step": 3}
 
 
 def test_packed_weights_load_into_the_drivers_module():
@@ -111,6 +110,23 @@ def test_packed_weights_load_into_the_drivers_module():
     module.net = driver
     trainer = pl.Trainer(logger=False)
     trainer.strategy.connect(module)
-    weights = {f"net.{k}": v for k, v in trained.state_dict().items()}
-    apply_to_driver(trainer, WorkerOutput(global_rank=0, weights=[pack_weights(weights)]), WriteScope())
+    parts = [WeightPart(f"net.{k}", v) for k, v in trained.state_dict().items()]
+    apply_to_driver(trainer, WorkerOutput(global_rank=0), WriteScope(), pack_in_chunks(parts))
+    assert torch.equal(driver.weight, trained.weight) and torch.equal(driver.bias, trained.bias)
+
+
+@pytest.mark.parametrize("on_meta", [False, True], ids=["in-place", "meta-device"])
+def test_shards_from_several_ranks_are_put_in_place(on_meta):
+    trained = torch.nn.Linear(6, 5)
+    with torch.device("meta" if on_meta else "cpu"):
+        driver = torch.nn.Linear(6, 5)
+    weight = trained.weight.detach()
+    # Two ranks' row blocks of the weight (torch.chunk's split: 3 and 2 rows), rank 0 also the bias; small
+    # chunks, so that the parts of one tensor arrive in different chunks.
+    rank_zero = [WeightPart("weight", weight[:3], (5, 6), ((0, 3), (0, 6))), WeightPart("bias", trained.bias)]
+    rank_one = [WeightPart("weight", weight[3:], (5, 6), ((3, 5), (0, 6)))]
+    chunks = pack_in_chunks(rank_zero, chunk_bytes=1) + pack_in_chunks(rank_one, chunk_bytes=1)
+    assert len(chunks) == 3
+    load_chunks(driver, chunks)
+    assert not driver.weight.is_meta and isinstance(driver.weight, torch.nn.Parameter)
     assert torch.equal(driver.weight, trained.weight) and torch.equal(driver.bias, trained.bias)

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from ray_lightning import _lightning, namespaces
 from ray_lightning.home import files, loggers
 from ray_lightning.home.predictions import PredictionRecorder
-from ray_lightning.home.weights import put_in_chunks, read_chunk
+from ray_lightning.home.weights import WeightPart, load_chunks, pack_in_chunks, parts_of
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -38,8 +36,9 @@ class WorkerOutput:
     global_rank: int
     trainer_state: Any = None  # Lightning's TrainerState
     results: Any = None
-    # Chunks of the trained weights (references to packed state dicts; home.weights), or None.
-    weights: list[Any] | None = None
+    # The trained weights this rank holds for the driver, packed in chunks (home.weights); the worker keeps
+    # them and sends their number instead, and the driver asks for them one at a time.
+    weights: list[Any] | int | None = None
     callback_metrics: dict[str, Any] = field(default_factory=dict)
     logged_metrics: dict[str, Any] = field(default_factory=dict)
     progress_bar_metrics: dict[str, Any] = field(default_factory=dict)
@@ -67,24 +66,27 @@ def collect_worker_output(
     """
     rank = trainer.global_rank
     fitting = trainer.state.fn == namespaces.FITTING
-    # Every rank computes the state dict: torchmetrics states may sync across ranks, and a sharded
-    # strategy gathers the full weights on rank 0 (``weights_for_driver``).
-    weights = _weights_for_driver(trainer) if fitting else None
+    # Every rank computes the state dict: torchmetrics states may sync across ranks, and each rank of
+    # a sharded strategy sends its own shards (``weights_for_driver``).
+    parts = _weights_for_driver(trainer) if fitting else None
+    weights = pack_in_chunks(parts) if parts else None
     predicting = trainer.state.fn == namespaces.PREDICTING
     predictions = recorder.records if recorder is not None else None
     if rank != 0:
         # A rank of a sharded strategy off the driver's machine sends its parts of the checkpoints.
         shards = files.collect(staging) if staging is not None else {}
-        if not predictions and not shards:
+        if not predictions and not shards and not weights:
             return None
-        return WorkerOutput(global_rank=rank, predictions=predictions, files=shards, staged=bool(shards))
+        return WorkerOutput(
+            global_rank=rank, predictions=predictions, files=shards, staged=bool(shards), weights=weights
+        )
 
     output = WorkerOutput(
         global_rank=rank,
         trainer_state=trainer.state,
         # When predicting, the driver rebuilds the results from every rank's `predictions`.
         results=None if predicting else namespaces.to_cpu(results),
-        weights=put_in_chunks(weights) if weights is not None else None,
+        weights=weights,
         callback_metrics=namespaces.to_cpu(dict(trainer.callback_metrics)),
         logged_metrics=namespaces.to_cpu(dict(trainer.logged_metrics)),
         progress_bar_metrics=namespaces.to_cpu(dict(trainer.progress_bar_metrics)),
@@ -106,12 +108,17 @@ def collect_worker_output(
     return output
 
 
-def _weights_for_driver(trainer: pl.Trainer) -> dict[str, Any] | None:
-    """The module's full state dict on rank 0 (None elsewhere, or when the weights stay in the workers)."""
+def _weights_for_driver(trainer: pl.Trainer) -> list[WeightPart] | None:
+    """What this rank sends of the trained weights: rank 0's full state dict, or a sharded strategy's parts.
+
+    A strategy's ``weights_for_driver`` (every rank calls it) returns parts, a full state dict, or None
+    (nothing from this rank, or the weights stay in the workers).
+    """
     gather = getattr(trainer.strategy, "weights_for_driver", None)
-    if gather is not None:
-        return gather()
-    return trainer.lightning_module.state_dict()
+    weights = gather() if gather is not None else trainer.lightning_module.state_dict()
+    if weights is None or (gather is None and trainer.global_rank != 0):
+        return None
+    return parts_of(weights) if isinstance(weights, dict) else list(weights)
 
 
 def _staged_files(trainer: pl.Trainer, staging: str) -> dict[str, bytes]:
@@ -136,15 +143,16 @@ def _checkpoint_files(trainer: pl.Trainer) -> set[str]:
     return {p for p in paths if p and os.path.isfile(p)}
 
 
-def apply_to_driver(trainer: pl.Trainer, output: WorkerOutput, scope: files.WriteScope) -> list[str]:
+def apply_to_driver(
+    trainer: pl.Trainer, output: WorkerOutput, scope: files.WriteScope, weight_chunks: Iterable[Any] = ()
+) -> list[str]:
     """Make the driver's Trainer and module look as if rank 0's run had happened here.
 
     ``scope``: where the files rank 0 sent back may be written (:class:`~.files.WriteScope`, made
-    before the launch). Returns the paths of the files written.
+    before the launch). ``weight_chunks``: the chunks of trained weights the workers hold, as the
+    launcher fetches them (:mod:`.weights`). Returns the paths of the files written.
     """
-    if output.weights is not None:
-        _load_weights(trainer.lightning_module, output.weights)
-        output.weights = None  # release the object store's memory
+    load_chunks(trainer.lightning_module, weight_chunks)
     if output.trainer_state is not None:
         trainer.state = output.trainer_state
     for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
@@ -157,28 +165,6 @@ def apply_to_driver(trainer: pl.Trainer, output: WorkerOutput, scope: files.Writ
     _load_callback_states(trainer, output, scope)
     loggers.load_states(trainer, output.logger_states)
     return files.write(loggers.arriving_files(trainer, output.files), scope)
-
-
-def _load_weights(module: pl.LightningModule, chunks: list[Any]) -> None:
-    """Copy each chunk into the module, then let it go before reading the next (one model in memory)."""
-    # Parameters and buffers are copied into; other state (torchmetrics' states, extra state) may
-    # be kept as given, so it gets memory of its own instead of the object store's. Parameters on
-    # the meta device (the module was made with empty_init) are replaced by copies.
-    on_meta = {n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta}
-    copied = {n for n, _ in [*module.named_parameters(), *module.named_buffers()]} - on_meta
-    for chunk in chunks:
-        with warnings.catch_warnings():
-            # The tensors read the object store's read-only memory in place; they are copied from, never written.
-            warnings.filterwarnings("ignore", message=".*not writable.*")
-            weights = read_chunk(chunk)
-        assign = bool(on_meta & weights.keys())  # the module takes these tensors: they need memory of their own
-        weights = {
-            k: v.clone() if isinstance(v, torch.Tensor) and (assign or k not in copied) else v
-            for k, v in weights.items()
-        }
-        # Non-strict like Lightning's ddp_spawn: layers may have been added in the workers' setup hooks.
-        module.load_state_dict(weights, strict=False, assign=assign)
-        del weights
 
 
 def _load_callback_states(trainer: pl.Trainer, output: WorkerOutput, scope: files.WriteScope) -> None:

@@ -19,6 +19,7 @@ Where things are:
 * :mod:`.network`: the address and interface every listener of a fit binds (the node IP, never all).
 * :mod:`.poll`: waiting for the workers without polling; a failure is raised with its rank.
 * :mod:`.payload`: the Trainer, module and arguments sent once; the ``ckpt_path`` file.
+  :mod:`.weights_out`: the module's big tensors, beside the payload in chunks.
 * :mod:`.idle_pool`: workers kept alive for the next call of the process.
 * :mod:`.session`: the Ray this process talks to.
 * :mod:`.protocol`: what the launcher needs from a strategy.

@@ -3,7 +3,8 @@
 The launcher starts one :class:`RayWorker` per worker (:mod:`.worker_group`). The actor reports
 where it runs (:meth:`RayWorker.node_info`), rank 0 opens the rendezvous
 (:meth:`RayWorker.open_rendezvous`), then every actor receives its rank and runs the Trainer
-function (:meth:`RayWorker.execute`, i.e. :class:`~ray_lightning.launch.call.WorkerCall`). After a
+function (:meth:`RayWorker.execute`, i.e. :class:`~ray_lightning.launch.call.WorkerCall`), and hands the
+driver the trained weights it holds, a chunk at a time (:meth:`RayWorker.weights_chunk`). After a
 successful call the actor cleans up (:meth:`RayWorker.finish_call`) and can run the next call of
 the same process (:mod:`.idle_pool`), unless code it imported changed (:meth:`RayWorker.reusable`).
 """
@@ -44,6 +45,7 @@ class RayWorker:
         # Modification times of the code files imported by the last call (see `reusable`).
         self._code_files: dict[str, float] = {}
         self._unfinished: WorkerCall | None = None  # see finish_call
+        self._weights: list[Any] = []  # chunks of the last call's trained weights, until the driver takes them
 
     def __repr__(self) -> str:
         # Ray prefixes the lines an actor prints with its repr: "(rank 1 pid=...) Epoch 0: ...".
@@ -78,16 +80,34 @@ class RayWorker:
         (see :mod:`.call`).
         """
         self.finish_call()
+        self._weights = []
         call = WorkerCall(context, self._store)
-        output = call.run(payload[0])
+        try:
+            output = call.run(payload[0])
+        except BaseException:
+            # A restart may run its next call in this process (a peer's death broke this one): its clean-up
+            # is due first (finish_call, from reusable or execute).
+            self._unfinished = call
+            raise
+        if output is not None and isinstance(output.weights, list):
+            # The weights stay here until the driver asks for them, a chunk at a time (weights_chunk).
+            self._weights, output.weights = output.weights, len(output.weights)
         # The code as it is now ran this call: a later change on disk makes the process stale.
         self._code_files = imported_code_files()
         # The clean-up for the next call waits until the results are on their way (finish_call).
         self._unfinished = call
         return output
 
+    def weights_chunk(self, index: int) -> list[Any]:
+        """Chunk ``index`` of the trained weights this worker holds for the driver (:mod:`ray_lightning.home.weights`).
+
+        The driver asks for each chunk once; the worker lets it go as it returns it.
+        """
+        chunk, self._weights[index] = self._weights[index], []
+        return chunk
+
     def finish_call(self) -> None:
-        """After a call succeeded and returned: clean up for the next call.
+        """After a call returned or failed: clean up for the next call.
 
         The launcher sends this right after the results arrived, so the driver does not wait for it;
         :meth:`execute` and :meth:`reusable` also run it if it is still due.

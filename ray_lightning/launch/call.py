@@ -33,6 +33,7 @@ from ray_lightning.home.recovery import RecoveryCheckpoints, RestoreRandomStates
 from ray_lightning.home.results import WorkerOutput, collect_worker_output
 from ray_lightning.launch.payload import with_checkpoint_path
 from ray_lightning.launch.preemption import PreemptionWatch, SigtermFirst, where_this_runs
+from ray_lightning.launch.weights_out import WeightsAside, take_weights
 from ray_lightning.runtime import WorkerContext
 
 if TYPE_CHECKING:
@@ -72,8 +73,12 @@ class WorkerCall:
                 heartbeat.stop()
             end_of_output(context.output_marker)
 
-    def _run(self, trainer: pl.Trainer, function: Callable, args: tuple, kwargs: dict) -> WorkerOutput | None:
+    def _run(
+        self, trainer: pl.Trainer, function: Callable, args: tuple, kwargs: dict, weights: WeightsAside | None
+    ) -> WorkerOutput | None:
         context = self.context
+        runtime.mark_progress("receiving the module's weights", startup=True)
+        take_weights(weights)
         with contextlib.ExitStack() as scratch:
             if context.checkpoint_file is not None:
                 path = _local_checkpoint(context.checkpoint_file, scratch)
@@ -109,7 +114,8 @@ class WorkerCall:
         return output
 
     def finish(self) -> None:
-        """After the call succeeded and its results were sent: leave its process group and environment."""
+        """After the call: leave its process group and environment (its results were sent, or it failed and a
+        restart runs the next call in this process)."""
         import torch
 
         if self._strategy is not None:

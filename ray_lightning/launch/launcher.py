@@ -15,8 +15,8 @@ For every ``fit``/``validate``/``test``/``predict`` it
    traceback (:mod:`.poll`). With ``max_failures``, a failure a restart can fix (a lost worker or
    node, a preemption) starts the workers again from rank 0's newest recovery checkpoint instead
    (:mod:`.recovery`),
-6. copies rank 0's results and files onto the driver's Trainer (:mod:`ray_lightning.home`), the
-   weights in chunks, while the workers still hold them,
+6. copies rank 0's results and files onto the driver's Trainer (:mod:`ray_lightning.home`), and the
+   weights the workers still hold, asking for them a chunk at a time (:func:`weight_chunks`),
 7. leaves the workers waiting for the next call (``keep_workers_alive_s``), or stops them.
 """
 
@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,8 @@ from typing_extensions import override
 
 from ray_lightning import _lightning, namespaces
 from ray_lightning.channel.worker_output import output_sync
-from ray_lightning.errors import RayWorkerError, WorkerHangError
+from ray_lightning.config import SALVAGE_WAIT_S
+from ray_lightning.errors import RayWorkerError, WorkerDiedError, WorkerHangError
 from ray_lightning.home import files, loggers
 from ray_lightning.home.predictions import merge_predictions
 from ray_lightning.home.results import WorkerOutput, apply_to_driver
@@ -72,6 +74,8 @@ class RayLauncher(*_lightning.launcher_bases()):
 
     def __init__(self, strategy: LaunchedStrategy) -> None:
         self._strategy = strategy
+        # The group of an attempt whose worker died, until the restart decides what to keep of it.
+        self._broken: WorkerGroup | None = None
         self._group: WorkerGroup | None = None
         # Where rank 0 stages its files while a call whose rank 0 is off the driver's machine runs.
         self._staging: files.StagingArea | None = None
@@ -105,8 +109,8 @@ class RayLauncher(*_lightning.launcher_bases()):
         try:
             outputs, group = self._attempts(payload, checkpoint, recovery)
             try:
-                # The workers stay until their results are home: rank 0 holds the weights' chunks.
-                return self._bring_home(outputs, trainer, recovery)
+                # The workers stay until their results are home: they hold the weights' chunks.
+                return self._bring_home(group, outputs, trainer, recovery)
             finally:
                 self._release(group)
         finally:
@@ -116,16 +120,27 @@ class RayLauncher(*_lightning.launcher_bases()):
         self, payload: ray.ObjectRef, checkpoint: str | None, recovery: Recovery
     ) -> tuple[list[WorkerOutput | None], WorkerGroup]:
         """Run the call until it succeeds, restarting its workers after failures a restart can fix."""
+        salvaged: WorkerGroup | None = None
         while True:
             try:
-                group = self._acquire_group()
+                group, salvaged = salvaged or self._acquire_group(), None
                 return self._run(group, payload, recovery.checkpoint(checkpoint), recovery), group
             except BaseException as error:
+                broken, self._broken = self._broken, None
                 if not recovery.restart_after(error, self._nodes):
+                    if broken is not None:
+                        broken.shutdown()
                     final = recovery.final_error(error)
                     if final is error:
                         raise
                     raise final from error.__cause__
+                if broken is not None:
+                    # A worker process died: the others' processes go on where they can (launch.worker_group).
+                    try:
+                        salvaged = broken.salvage(SALVAGE_WAIT_S)
+                    except BaseException:
+                        broken.shutdown()
+                        raise
 
     @override
     def kill(self, signum: Any) -> None:
@@ -176,7 +191,10 @@ class RayLauncher(*_lightning.launcher_bases()):
             except RayWorkerError as error:
                 if recovery.enabled:
                     _take_last_checkpoint(channel)
-                if not isinstance(error, WorkerHangError):  # a stuck rank writes no marker
+                if isinstance(error, WorkerDiedError) and recovery.enabled:
+                    self._broken = group  # the restart keeps what it can of it
+                if not isinstance(error, (WorkerHangError, WorkerDiedError)):
+                    # A stuck rank writes no marker, nor does a dead one.
                     _wait_for_output(call, [error.rank], _FAILED_OUTPUT_WAIT_S)
                 raise
             channel.run_remaining()
@@ -184,7 +202,7 @@ class RayLauncher(*_lightning.launcher_bases()):
             succeeded = True
         finally:
             self._group = None
-            if not succeeded:
+            if not succeeded and self._broken is not group:
                 group.shutdown()
                 if self._staging is not None:
                     recovery.synced.update(self._fetch_staged_files())
@@ -223,11 +241,13 @@ class RayLauncher(*_lightning.launcher_bases()):
             plan = replace(plan, seed=ray.put(recovery.seed_files(self._seed_directories)))
         return build_contexts(group.ranks, infos, point, driver_node, self._staging, shipped, call, plan)
 
-    def _bring_home(self, outputs: list[WorkerOutput | None], trainer: pl.Trainer | None, recovery: Recovery) -> Any:
+    def _bring_home(
+        self, group: WorkerGroup, outputs: list[WorkerOutput | None], trainer: pl.Trainer | None, recovery: Recovery
+    ) -> Any:
         rank_zero = next(o for o in outputs if o is not None and o.trainer_state is not None)
         if trainer is None:
             return rank_zero.results
-        written = apply_to_driver(trainer, rank_zero, self._scope)
+        written = apply_to_driver(trainer, rank_zero, self._scope, weight_chunks(group.actors, outputs))
         for output in outputs:
             if output is not None and output is not rank_zero and output.files:
                 # Other ranks' parts of sharded checkpoints, beside rank 0's.
@@ -263,9 +283,26 @@ class RayLauncher(*_lightning.launcher_bases()):
     def __getstate__(self) -> dict:
         # Shipped to the workers inside the Trainer: actor handles stay on the driver.
         state = self.__dict__.copy()
-        state["_group"] = state["_staging"] = None
+        state["_group"] = state["_staging"] = state["_broken"] = None
         state["_nodes"] = {}
         return state
+
+
+def weight_chunks(actors: list[Any], outputs: list[WorkerOutput | None], in_flight: int = 2) -> Iterator[Any]:
+    """References to every chunk of trained weights the workers hold, asked for a few at a time.
+
+    ``outputs`` are in actor order. While the driver copies one chunk into its module, the next is on
+    its way; one that was read goes from the object store when its reference does.
+    """
+    counts = [(actor, out.weights if out is not None and out.weights else 0) for actor, out in zip(actors, outputs)]
+    wanted = [(actor, index) for actor, count in counts for index in range(count)]
+    pending: deque[Any] = deque()
+    for actor, index in wanted:
+        pending.append(actor.weights_chunk.remote(index))
+        if len(pending) >= in_flight:
+            yield pending.popleft()
+    while pending:
+        yield pending.popleft()
 
 
 def _wait_for_output(call: CallSettings, ranks: list[int], timeout_s: float) -> None:

@@ -17,6 +17,7 @@ import ray
 from ray_lightning import _lightning, namespaces
 from ray_lightning.config import REUSE_CHECK_TIMEOUT_S as _PROBE_TIMEOUT_S
 from ray_lightning.launch.session import driver_node_id
+from ray_lightning.launch.weights_out import weights_aside
 from ray_lightning.runtime import CheckpointFile
 
 if TYPE_CHECKING:
@@ -89,9 +90,15 @@ def checkpoint_argument(function: Callable, args: tuple, kwargs: dict, trainer: 
 
 
 def put_payload(trainer: pl.Trainer | None, function: Callable, args: tuple, kwargs: dict) -> ray.ObjectRef:
-    """Serialize the Trainer, module and arguments once; every worker reads the same object."""
+    """Serialize the Trainer, module and arguments once; every worker reads the same object.
+
+    The modules' big tensors travel beside the pickle, in chunks (:mod:`.weights_out`); the payload
+    holds what :func:`~.weights_out.take_weights` needs to put them back in each worker.
+    """
+    modules = [trainer.lightning_module if trainer is not None else None, *args, *kwargs.values()]
     try:
-        return ray.put((trainer, function, args, kwargs))
+        with weights_aside(modules) as aside:
+            return ray.put((trainer, function, args, kwargs, aside))
     except Exception as error:
         culprit = _find_unserializable(trainer, args, kwargs)
         raise TypeError(

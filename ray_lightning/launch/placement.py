@@ -192,6 +192,18 @@ class Placement:
     nodes: list[str]
     owned: bool = field(default=True)
 
+    def still_placed(self) -> bool:
+        """Whether every bundle is still where it was placed, on a node that is alive."""
+        try:
+            table = placement_group_table(self.pg)
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        except Exception:  # noqa: BLE001 - a group Ray no longer knows is not placed
+            return False
+        where = table.get("bundles_to_node_id") or {}
+        return table.get("state") == "CREATED" and all(
+            where.get(bundle) == node and node in alive for bundle, node in zip(self.bundles, self.nodes)
+        )
+
     def release(self) -> None:
         """Give the reservation back, if it is this launch's own."""
         if self.owned:

@@ -18,10 +18,14 @@ Decisions:
   deterministic, and running it ``max_failures`` more times would only waste the cluster's time
   before failing the same way (Ray Train retries everything). Neither is a stuck rank
   (``WorkerHangError``) nor a cluster too small for the workers (``ClusterResourceError``).
-* Every restart starts a new worker group, on whatever nodes can hold it (the survivors, a
-  replacement the autoscaler brings up, or inside a Tune trial, the trial's own bundles once Ray has
-  placed them again): the survivors of a broken collective may be stuck in it, and a fresh group is
-  the one state known to be clean.
+* After a worker process died on a node that is still there, the restart keeps the other workers'
+  processes that came out of the broken call and say they can run another (their process group left,
+  their environment restored), and starts a new process only for the dead worker and any that stay
+  stuck in a collective (:meth:`~ray_lightning.launch.worker_group.WorkerGroup.salvage`): starting a
+  process and importing torch and Lightning is most of a restart's time. After anything else (a node
+  lost or preempted, a worker that died while starting), the restart starts a new worker group on
+  whatever nodes can hold it (a replacement the autoscaler brings up, or inside a Tune trial, the
+  trial's own bundles once Ray has placed them again).
 * The workers resume from the newest recovery checkpoint with Lightning's own ``fit(ckpt_path=...)``,
   so weights, optimizers, schedulers, loops and callbacks continue where it was taken; before the
   first one, from the call's own ``ckpt_path`` (or the start).

@@ -39,6 +39,8 @@ class WorkerGroup:
         self.actors: list[Any] = []
         self.infos: list[NodeInfo] = []
         self.calls = 0  # calls run so far: more than 0 when the group is reused
+        self._running: list[Any] = []  # the running call's refs, actor by actor
+        self._request: WorkerResources | None = None
         self._channel: DriverChannel | None = None
         self._session = ray_session()
 
@@ -50,16 +52,57 @@ class WorkerGroup:
         start (Ray prefixes its log lines with it).
         """
         group = cls(placement, assign_ranks(placement.nodes))
-        remote = ray.remote(RayWorker)
+        group._request = request
         try:
-            for bundle, rank in zip(placement.bundles, group.ranks):
-                strategy = PlacementGroupSchedulingStrategy(placement.pg, placement_group_bundle_index=bundle)
-                options = request.actor_options()
-                group.actors.append(remote.options(**options, scheduling_strategy=strategy).remote(rank.global_rank))
+            group.actors = [group._new_actor(i) for i in range(len(group.ranks))]
         except BaseException:
             group.shutdown()
             raise
         return group
+
+    def _new_actor(self, i: int) -> Any:
+        """A worker actor for rank ``ranks[i]`` in bundle ``placement.bundles[i]``."""
+        assert self._request is not None
+        bundle = self.placement.bundles[i]
+        strategy = PlacementGroupSchedulingStrategy(self.placement.pg, placement_group_bundle_index=bundle)
+        options = self._request.actor_options()
+        return ray.remote(RayWorker).options(**options, scheduling_strategy=strategy).remote(self.ranks[i].global_rank)
+
+    def salvage(self, wait_s: float) -> WorkerGroup | None:
+        """After a worker died in a call: this group with new workers for those that cannot go on.
+
+        The workers that came out of the broken call (their collectives failed with the peer's death)
+        and say they can run another (:meth:`RayWorker.reusable`, within ``wait_s``) are kept: no new
+        process, no imports. The dead ones, those still inside the call after ``wait_s`` (stuck in a
+        collective) and those that do not answer are replaced in their own bundles, where a new
+        process starts at once. None, with the group shut down, when a bundle moved or its node is gone
+        (the restart then starts a new group wherever the cluster can hold it).
+        """
+        running, self._running = self._running, []
+        if not running or not self.placement.still_placed():
+            self.shutdown()
+            return None
+        replaced: set[int] = set()
+        for timeout in (0, wait_s):  # the dead ones' processes start first, then the stuck ones'
+            ended, _ = ray.wait(running, num_returns=len(running), timeout=timeout)
+            gone = {i for i, ref in enumerate(running) if (ref in ended and _died(ref)) or timeout and ref not in ended}
+            for i in gone - replaced:
+                self._replace(i)
+            replaced |= gone
+        came_out = [i for i in range(len(running)) if i not in replaced]
+        checks = [self.actors[i].reusable.remote() for i in came_out]
+        answered, _ = ray.wait(checks, num_returns=len(checks), timeout=wait_s)
+        for i, check in zip(came_out, checks):
+            if check not in answered or not _answer(check):
+                self._replace(i)
+        self.infos = []  # asked again: the new actors' pids
+        return self
+
+    def _replace(self, i: int) -> None:
+        """Stop actor ``i`` and start a new one for its rank in its bundle."""
+        with contextlib.suppress(Exception):
+            ray.kill(self.actors[i], no_restart=True)
+        self.actors[i] = self._new_actor(i)
 
     @property
     def owns_placement(self) -> bool:
@@ -133,7 +176,9 @@ class WorkerGroup:
         if channel is not None:
             channel.on_progress = watchdog.record if watchdog is not None else None
         refs = [actor.execute.remote([payload], ctx) for actor, ctx in zip(self.actors, contexts)]
+        self._running = refs
         outputs = wait_for_outputs(refs, [c.rank.global_rank for c in contexts], self.infos, channel, watchdog)
+        self._running = []
         for actor in self.actors:
             actor.finish_call.remote()  # clean up for the next call while the driver goes on
         return outputs
@@ -144,6 +189,10 @@ class WorkerGroup:
             # Its Ray is gone, and the actors with it. Ray calls now would start a new local Ray.
             self.actors, self._channel = [], None
             return
+        for ref in self._running:  # the errors of a failed call's other ranks: read, so Ray does not log them
+            with contextlib.suppress(Exception):
+                ray.get(ref, timeout=0)
+        self._running = []
         for actor in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
@@ -152,3 +201,21 @@ class WorkerGroup:
             self._channel = None
         self.placement.release()
         self.actors = []
+
+
+def _died(ref: Any) -> bool:
+    """Whether the actor that ran the call ``ref`` (which ended) died in it."""
+    try:
+        ray.get(ref, timeout=0)
+    except RayActorError:
+        return True
+    except Exception:  # noqa: BLE001 - it raised (a broken collective): its process is alive
+        return False
+    return False
+
+
+def _answer(ref: Any) -> bool:
+    try:
+        return bool(ray.get(ref, timeout=0))
+    except Exception:  # noqa: BLE001 - a worker that cannot answer is replaced
+        return False

@@ -156,4 +156,3 @@ namespaces.register(
     "fsdp1_ray",
     "Lightning's FSDPStrategy (torch's FSDP1) on Ray GPU actors (ray_lightning)",
 )
-

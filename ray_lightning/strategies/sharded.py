@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from ray_lightning import _lightning, namespaces
 from ray_lightning.home.files import local_path
+from ray_lightning.home.weights import WeightPart
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -138,7 +139,34 @@ class FullCheckpointsMixin(RankPartsMixin):
 
 
 class ShardedWorkersMixin(FullCheckpointsMixin):
-    """Checkpoints and loading of a strategy whose ranks each hold a DTensor shard (FSDP2, tensor parallel)."""
+    """Checkpoints, loading and the weights home of a strategy whose ranks hold DTensor shards (FSDP2, TP)."""
+
+    @override
+    def weights_for_driver(self) -> list[WeightPart] | None:
+        """In every rank: the shards this rank sends the driver, which puts them in place (no all-gather).
+
+        A shard replicated over part of the mesh is sent by one rank of it. A layout other than plain
+        ``Shard``/``Replicate`` placements (FSDP over tensor parallelism on one dimension) is gathered:
+        every rank takes the same path, since placements are the same on every rank.
+        """
+        from torch.distributed.tensor import DTensor
+
+        if not getattr(self, "_send_full_weights", True):
+            return None
+        parts = []
+        for name, value in self.model.state_dict().items():
+            if not isinstance(value, DTensor):
+                if self.global_rank == 0:
+                    parts.append(WeightPart(name, value))
+                continue
+            layout = shard_layout(value)
+            if layout is None:
+                full = value.full_tensor()  # collective
+                if self.global_rank == 0:
+                    parts.append(WeightPart(name, full))
+            elif layout[1]:
+                parts.append(WeightPart(name, value.to_local(), tuple(value.shape), layout[0]))
+        return parts
 
     def save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
         """Each rank writes its shard (torch.distributed.checkpoint) into ``path``; rank 0 the rest (``meta.pt``)."""
@@ -178,3 +206,36 @@ class ShardedWorkersMixin(FullCheckpointsMixin):
         weights_only = kwargs.get("weights_only", args[0] if args else None)
         strict = self.lightning_module.strict_loading
         return _lightning.sharded.load_checkpoint(self.namespace, Path(checkpoint_path), state, strict, weights_only)
+
+
+def shard_layout(tensor: Any) -> tuple[tuple[tuple[int, int], ...], bool] | None:
+    """Where this rank's local part of a DTensor lies in the full tensor, and whether this rank sends it.
+
+    None for placements other than ``Shard``/``Replicate`` with each tensor dimension sharded at most
+    once. Sharding splits a dimension as ``torch.chunk`` does (DTensor's and FSDP2's rule); of the
+    ranks holding the same part (replicated over a mesh dimension), the one at coordinate 0 sends it.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, shape = tensor.device_mesh, tuple(tensor.shape)
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    bounds = [(0, n) for n in shape]
+    sharded: set[int] = set()
+    sends = True
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if type(placement) is Replicate:
+            sends = sends and coordinate[mesh_dim] == 0
+            continue
+        if type(placement) is not Shard or placement.dim in sharded:
+            return None
+        dim = placement.dim
+        sharded.add(dim)
+        size = -(-shape[dim] // mesh.size(mesh_dim))
+        start = min(coordinate[mesh_dim] * size, shape[dim])
+        bounds[dim] = (start, min(start + size, shape[dim]))
+    local = tuple(tensor.to_local().shape)
+    if local != tuple(stop - start for start, stop in bounds):
+        raise RuntimeError(f"A shard of shape {local} does not fit where torch.chunk puts it: {bounds} of {shape}.")
+    return tuple(bounds), sends

@@ -59,6 +59,9 @@ class RayWorkersMixin(LightningStrategyHooks):
 
     # The accelerator the Trainer gets with this strategy (the classic form of the same workers).
     accelerator_class: type[RayAccelerator] = RayAccelerator
+    # A Trainer of the other Lightning namespace uses a rebuild of this strategy: the caller's object
+    # shows its restarts too (namespaces.rebuild_for).
+    shared_with_rebuild = ("restarts",)
     _cluster_environment: RayEnvironment | None
     # Set on each family member (ray_lightning.namespaces.family): the Lightning it subclasses.
     namespace: namespaces.Namespace

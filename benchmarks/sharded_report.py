@@ -1,0 +1,139 @@
+"""The sharded benchmark's table: samples, medians and spread, ratios against Lightning's own, the three goals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.report import Metric, summarize
+from benchmarks.sharded_workload import BARE, BASELINE, CONTENDERS, OURS
+
+METRICS = (
+    Metric("model_mb", "model, MB", ".3g"),
+    Metric("fit_s", "fit, s", ".1f"),
+    Metric("first_step_s", "fit → 1st step, s", ".1f"),
+    Metric("step_ms", "step, ms", ".0f"),
+    Metric("step_cpu_ms", "step CPU, ms", ".0f"),
+    Metric("weights_home_s", "full weights home, s", ".2f"),
+    Metric("weights_speed_vs_copy", "weights home speed / copy speed", ".2f"),
+    Metric("peak_rss_mb", "driver peak RSS, MB", ".0f"),
+    # Sampled every 20 ms during fit (not where the driver trains): the object store's memory the driver maps.
+    Metric("peak_shmem_mb", "of which shared (object store), MB", ".0f"),
+    Metric("built_rss_mb", "driver RSS before fit, MB", ".0f"),
+)
+# The bare driver's row shows its memory only: its times are those of a model of a few KB.
+_BARE_METRICS = {"model_mb", "peak_rss_mb", "peak_shmem_mb", "built_rss_mb"}
+STEP_SLACK = 1.03
+WEIGHTS_SPEED_FLOOR = 0.25
+MEMORY_FACTOR = 1.2
+
+
+def build(results: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
+    """Per contender and metric: samples, median, spread, and the ratio of medians against Lightning's own."""
+    table: dict[str, dict[str, Any]] = {}
+    for name in order:
+        runs = [r for r in results if r["contender"] == name]
+        if runs:
+            homes = [r["weights_home"] for r in runs if r["weights_home"] is not None]
+            table[name] = {
+                "label": CONTENDERS[name].label,
+                "note": CONTENDERS[name].note,
+                "repeats": len(runs),
+                "metrics": {m.key: summarize([r["metrics"][m.key] for r in runs]) for m in METRICS},
+                # The driver's module held the trained weights after fit (None: they do not come home).
+                "weights_returned": all(h["weights_changed"] for h in homes) if homes else None,
+            }
+    base = table.get(BASELINE, {}).get("metrics", {})
+    for name, entry in table.items():
+        for key, summary in entry["metrics"].items():
+            reference = base.get(key)
+            if name != BARE and summary and reference and reference["median"] and key != "model_mb":
+                summary["ratio"] = summary["median"] / reference["median"]
+    return table
+
+
+def _median(table: dict[str, Any], name: str, key: str) -> float | None:
+    summary = table.get(name, {}).get("metrics", {}).get(key)
+    return summary["median"] if summary else None
+
+
+def _bounds(table: dict[str, Any], name: str) -> list[tuple[str, str, float | None, float | None, bool]]:
+    """(goal, metric, value, bound, whether a larger value is better) for ray_lightning's contender ``name``."""
+    step, speed, peak = (_median(table, name, k) for k in ("step_ms", "weights_speed_vs_copy", "peak_rss_mb"))
+    reference = _median(table, BASELINE, "step_ms")
+    model, bare = _median(table, name, "model_mb"), _median(table, BARE, "peak_rss_mb")
+    return [
+        ("steady-state step within 3% of Lightning's own", "step_ms", step,
+         None if reference is None else STEP_SLACK * reference, False),
+        ("full weights home at >= 1/4 of memcpy speed", "weights_speed_vs_copy", speed, WEIGHTS_SPEED_FLOOR, True),
+        ("driver peak RSS <= 1.2 x model + bare driver's", "peak_rss_mb", peak,
+         None if model is None or bare is None else MEMORY_FACTOR * model + bare, False),
+    ]  # fmt: skip
+
+
+def goals(table: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each goal for each of ray_lightning's contenders that ran: met, missed, or unknown (a reference is missing)."""
+    rows = []
+    for name in (n for n in OURS if n in table):
+        for goal, metric, value, bound, larger_is_better in _bounds(table, name):
+            if value is None or bound is None:
+                status = "unknown"
+            else:
+                status = "met" if (value >= bound if larger_is_better else value <= bound) else "missed"
+            rows.append({"goal": goal, "contender": name, "metric": metric, "value": value, "bound": bound,
+                         "status": status})  # fmt: skip
+    return rows
+
+
+def _cell(summary: dict[str, Any] | None, fmt: str) -> str:
+    if summary is None:
+        return "n/a"
+    spread = f" ({summary['min']:{fmt}}–{summary['max']:{fmt}})" if len(summary["samples"]) > 1 else ""
+    ratio = f" ×{summary['ratio']:.2f}" if "ratio" in summary else ""
+    return f"{summary['median']:{fmt}}{spread}{ratio}"
+
+
+def _header(document: dict[str, Any]) -> list[str]:
+    spec, machine = document["spec"], document["machine"]
+    device = "1 GPU" if spec["gpu"] else f"{machine['threads_per_process']} torch thread(s)"
+    return [
+        f"{spec['workers']} workers ({device} each), {spec['steps']} steps (step time: median after "
+        f"{spec['warmup']}), batch {spec['batch_size']} per worker; model: Linear {spec['features']}→{spec['hidden']}, "
+        f"{spec['blocks']} blocks (LayerNorm, Linear {spec['hidden']}→{4 * spec['hidden']}, GELU, Linear back, "
+        f"residual), Linear →{spec['classes']}, float32, SGD with momentum; each block one fully_shard unit. "
+        f"{document['repeats']} repeat(s), each a fresh driver process, round-robin.",
+        f"Machine: {machine['cpus']} CPUs, {machine['memory_gb']:.0f} GB; torch {machine['torch']}, "
+        f"Lightning {machine['pytorch_lightning']}, Ray {machine['ray']}.",
+        "",
+        f"Cells: median (min–max) ×ratio of medians against {CONTENDERS[BASELINE].label}.",
+    ]
+
+
+def _number(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _goal_lines(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| goal | contender | value | bound | status |", "| --- | --- | ---: | ---: | --- |"]
+    for row in rows:
+        value, bound = (_number(x) for x in (row["value"], row["bound"]))
+        lines.append(f"| {row['goal']} | {CONTENDERS[row['contender']].label} | {value} | {bound} | {row['status']} |")
+    return lines
+
+
+def markdown(document: dict[str, Any]) -> str:
+    """The tables as markdown, to print and to paste into benchmarks/README.md."""
+    table = document["table"]
+    lines = [*_header(document), "", "| contender | " + " | ".join(m.title for m in METRICS) + " |"]
+    lines.append("| --- |" + " ---: |" * len(METRICS))
+    for name, entry in table.items():
+        shown = [m for m in METRICS if name != BARE or m.key in _BARE_METRICS]
+        cells = [_cell(entry["metrics"][m.key], m.fmt) if m in shown else "—" for m in METRICS]
+        lines.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
+    lines += ["", *(f"- {entry['label']}: {entry['note']}." for entry in table.values())]
+    lines += [f"- {CONTENDERS[name].label}: not run: {why}." for name, why in document["skipped"].items()]
+    lines += ["", *_goal_lines(document["goals"])]
+    errors = document["errors"]
+    if errors:
+        lines += ["", "Failed measurements (the JSON has the end of each driver's log):"]
+        lines += [f"- {e['contender']}, repeat {e['repeat'] + 1}: {e['error'].splitlines()[0]}" for e in errors]
+    return "\n".join(lines) + "\n"

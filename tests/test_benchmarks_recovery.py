@@ -1,0 +1,88 @@
+"""Smoke test of the restart benchmark (benchmarks/recovery.py): tiny sizes, every case once.
+
+It checks that a worker was killed and every fit still finished, and that every metric is there and
+finite; it asserts no time, ratio or goal (those depend on the machine; see benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.recovery_driver import CASES
+from benchmarks.recovery_report import BASELINE, METRICS, PERCENT_KEYS
+from tests.conftest import ROOT
+
+# Seven fits, two of them Ray Train's (a controller and worker group per start, twice): minutes on 2 busy cores.
+BENCHMARK_TIMEOUT_S = 1200
+pytestmark = pytest.mark.timeout(BENCHMARK_TIMEOUT_S + 120)
+# Only RayStrategy reports when its driver learned of the failure.
+_RAY_LIGHTNING_ONLY = {"detect_s"}
+
+
+def _run_benchmark(out: Path, *args: str) -> tuple[int, str]:
+    """``python -m benchmarks.recovery`` from the repository root; past the bound it gets SIGTERM, which
+    stops its driver processes and its own Ray cluster (never the tests' Ray)."""
+    log_path = out / "recovery.log"
+    with open(log_path, "w") as log:
+        benchmark = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.recovery", "--out", str(out), *args],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            code = benchmark.wait(timeout=BENCHMARK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            benchmark.send_signal(signal.SIGTERM)
+            benchmark.wait(timeout=120)
+            pytest.fail(f"benchmarks.recovery ran over {BENCHMARK_TIMEOUT_S} s:\n{log_path.read_text()[-8000:]}")
+    return code, log_path.read_text()
+
+
+def _finite(summary: dict | None, where: tuple) -> None:
+    assert summary is not None, where
+    assert all(math.isfinite(v) for v in summary["samples"]), (where, summary)
+    assert summary["min"] <= summary["median"] <= summary["max"], where
+
+
+def test_restart_benchmark_writes_every_metric_and_every_fit_finishes(tmp_path):
+    code, output = _run_benchmark(tmp_path, "--tiny", "--repeats", "1", "--name", "smoke", "--timeout", "600")
+    assert code == 0, output[-8000:]
+
+    document = json.loads((tmp_path / "smoke.json").read_text())
+    markdown = (tmp_path / "smoke.md").read_text()
+    assert document["errors"] == []
+    assert list(document["table"]) == list(CASES)
+    for name, entry in document["table"].items():
+        case = CASES[name]
+        assert entry["repeats"] == 1 and entry["finished"], (name, entry)
+        assert entry["label"] in markdown
+        for metric in METRICS[case.part]:
+            if metric.key in _RAY_LIGHTNING_ONLY and case.ray_train:
+                assert entry["metrics"][metric.key] is None, (name, metric.key)
+                continue
+            _finite(entry["metrics"][metric.key], (name, metric.key))
+        if case.against:  # RayStrategy against Ray Train with the same checkpoints
+            assert math.isfinite(entry["metrics"]["recovery_s"]["ratio"]), name
+        if case.part == "cadence" and name != BASELINE:
+            for key in PERCENT_KEYS:
+                assert math.isfinite(entry["metrics"][key]["percent"]), (name, key)
+    spec = document["spec"]
+    for run in document["measurements"]:
+        metrics = run["metrics"]
+        if CASES[run["contender"]].part == "recovery":
+            # Killed once after the planned step, restarted once, resumed from a checkpoint before it.
+            assert metrics["kill_step"] == spec["kill_step"] and metrics["attempts"] == 2, run
+            assert 0 < metrics["work_lost_steps"] <= spec["kill_step"], run
+        assert metrics["final_global_step"] > 0, run
+    # Every goal is judged, and the judgement is in the tables.
+    assert {t["case"] for t in document["targets"]} == {"ray", "ray_n", "ray_mf1", "ray_mf1_n"}
+    assert all(t["status"] != "unknown" for t in document["targets"])
+    assert all(t["target"] in markdown for t in document["targets"])
