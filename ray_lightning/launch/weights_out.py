@@ -11,6 +11,10 @@ so parameters shared between modules (tied weights) stay shared.
 
 Only CPU tensors of at least :data:`ASIDE_BYTES` that own their whole storage are set aside; views
 into a larger storage, other devices, tensor subclasses and small tensors are pickled as before.
+Decision: another tensor object that views a set-aside tensor's memory (``p.data`` or a
+``state_dict()`` kept by a callback) arrives as its own copy instead of sharing the parameter's memory,
+as a plain pickle would have it; modules, optimizers-to-be and tied parameters hold the parameter
+objects themselves, which stay shared.
 """
 
 from __future__ import annotations
