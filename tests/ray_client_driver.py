@@ -36,6 +36,9 @@ class LineFit(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.line = nn.Linear(1, 1)
+        # 2 MB: travels beside the payload (launch.weights_out), also from a Ray Client; last.ckpt holds
+        # the workers' copy, which the test compares with the driver's module.
+        self.register_buffer("table", torch.arange(2**19, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.line(x)
@@ -84,6 +87,8 @@ def train(save_dir: str, resources: dict[str, float]) -> dict:
     summary: dict = {
         "client_mode": ray.util.client.ray.is_connected(),
         "weights_changed": any(not torch.equal(b, p) for b, p in zip(before, model.parameters())),
+        # The workers trained with the buffer they were sent, and sent it back.
+        "table_intact": torch.equal(model.table, torch.arange(2**19, dtype=torch.float32)),
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "current_epoch": trainer.current_epoch,
         "global_step": trainer.global_step,

@@ -217,6 +217,7 @@ def _check_client_fit(report: dict, workdir: Path) -> None:
     """What a user looks at after fit under Ray Client; missing files raise :class:`NotOnDriver`."""
     assert report["client_mode"], "the driver was not connected through Ray Client"
     assert report["weights_changed"], "the trained weights did not come back to the driver's module"
+    assert report["table_intact"], "the module's 2 MB buffer did not reach the workers (launch.weights_out)"
     assert "val_loss" in report["callback_metrics"] and report["global_step"] == 8
     assert report["current_epoch"] == 2
 

@@ -28,6 +28,7 @@ import ray
 import torch
 
 from ray_lightning.home.weights import WeightPart, pack_in_chunks, read_parts, release_pages, unpack
+from ray_lightning.launch.session import driver_node_id
 
 # Below this a tensor's pickle costs nothing worth a chunk of its own.
 ASIDE_BYTES = 1 << 20
@@ -75,11 +76,14 @@ def weights_aside(objects: Iterable[Any]) -> Iterator[WeightsAside | None]:
         yield None
         return
     chunks = []
+    # A Ray Client's puts go over the network into the cluster's store: nothing of it is mapped here.
+    in_the_store = driver_node_id() is not None
     for chunk in pack_in_chunks(WeightPart(str(i), t) for i, t in enumerate(tensors)):
         ref = ray.put(chunk)
         del chunk
-        # The pages this process wrote into the store: read back in place (no copy) to let them go.
-        release_pages([part.value.data for part in ray.get(ref)])
+        if in_the_store:
+            # The pages this process wrote into the store: read back in place (no copy) to let them go.
+            release_pages([part.value.data for part in ray.get(ref)])
         chunks.append(ref)
     saved = [t.data for t in tensors]
     try:
