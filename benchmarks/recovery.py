@@ -43,9 +43,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = run.parse_run_options(parser, argv, CASES)
     args.spec = RecoverySpec.tiny() if args.tiny else RecoverySpec()
     args.spec.workers = args.workers
-    for name in _SIZES:
-        if getattr(args, name) is not None:
-            setattr(args.spec, name, getattr(args, name))
+    run.sized(args.spec, {name: getattr(args, name) for name in _SIZES})
     problem = _check(args.spec)
     if problem:
         parser.error(problem)

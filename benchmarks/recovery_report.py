@@ -6,7 +6,7 @@ import statistics
 from typing import Any
 
 from benchmarks.recovery_driver import CASES, Case, RecoverySpec
-from benchmarks.report import Metric, _cell, summarize
+from benchmarks.report import Metric, cell, summarize
 
 RECOVERY_METRICS = (
     Metric("recovery_s", "kill → 1st step after the restart, s", ".2f"),
@@ -144,14 +144,10 @@ def targets(table: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _suffix(summary: dict[str, Any] | None) -> str:
-    if summary is None:
+def _percent(summary: dict[str, Any] | None) -> str:
+    if summary is None or "percent" not in summary:
         return ""
-    if "ratio" in summary:
-        return f" ×{summary['ratio']:.2f}"
-    if "percent" in summary:
-        return f" {summary['percent']:+.1f}%"
-    return ""
+    return f" {summary['percent']:+.1f}%"
 
 
 def _table(table: dict[str, Any], part: str) -> list[str]:
@@ -163,7 +159,7 @@ def _table(table: dict[str, Any], part: str) -> list[str]:
     for name, entry in table.items():
         if entry["part"] != part:
             continue
-        cells = [_cell(entry["metrics"][m.key], m.fmt) + _suffix(entry["metrics"][m.key]) for m in metrics]
+        cells = [cell(entry["metrics"][m.key], m.fmt, "ratio") + _percent(entry["metrics"][m.key]) for m in metrics]
         lines.append(
             f"| `{name}`: {entry['label']} | " + " | ".join(cells) + f" | {'yes' if entry['finished'] else 'NO'} |"
         )

@@ -99,13 +99,14 @@ def targets(table: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _cell(summary: dict[str, Any] | None, fmt: str) -> str:
+def cell(summary: dict[str, Any] | None, fmt: str, ratio_key: str = "ratio_vs_" + BASELINE) -> str:
+    """A table cell: median (min–max) ×ratio, the ratio read from ``ratio_key`` where the summary has one."""
     if summary is None:
         return "n/a"
     text = f"{summary['median']:{fmt}}"
     if len(summary["samples"]) > 1:
         text += f" ({summary['min']:{fmt}}–{summary['max']:{fmt}})"
-    ratio = summary.get("ratio_vs_" + BASELINE)
+    ratio = summary.get(ratio_key)
     if ratio is not None:
         text += f" ×{ratio:.2f}"
     return text
@@ -135,7 +136,7 @@ def markdown(report: dict[str, Any]) -> str:
         "| --- |" + " ---: |" * len(METRICS),
     ]
     for entry in table.values():
-        cells = [_cell(entry["metrics"][m.key], m.fmt) for m in METRICS]
+        cells = [cell(entry["metrics"][m.key], m.fmt) for m in METRICS]
         lines.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
     notes = [f"- {entry['label']}: {entry['note']}." for entry in table.values() if entry["note"]]
     lines += ["", *notes] if notes else []
@@ -150,7 +151,7 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for entry in table.values():
         cells = [
-            _cell(_scaled(entry["breakdown"][fit][key], 1000 if key == "step_cpu_s" else 1), ".2f")
+            cell(_scaled(entry["breakdown"][fit][key], 1000 if key == "step_cpu_s" else 1), ".2f")
             for fit in ("fit1", "fit2")
             for key in BREAKDOWN
         ]

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from benchmarks import report
 from benchmarks.contenders import CONTENDERS
@@ -69,14 +69,23 @@ def parse_run_options(
     return args
 
 
-def _spec(args: argparse.Namespace) -> Spec:
-    spec = Spec.tiny() if args.tiny else Spec()
-    spec.workers = args.workers
-    for name, value in (("weights_params", args.params), ("steps", args.steps), ("warmup", args.warmup),
-                        ("batch_size", args.batch_size), ("hidden", args.hidden)):  # fmt: skip
+SpecT = TypeVar("SpecT", bound=Spec)
+
+
+def sized(spec: SpecT, sizes: dict[str, Any]) -> SpecT:
+    """``spec`` with the sizes given on the command line (``None``: keep the spec's own)."""
+    for name, value in sizes.items():
         if value is not None:
             setattr(spec, name, int(value))
     return spec
+
+
+def _spec(args: argparse.Namespace) -> Spec:
+    spec = Spec.tiny() if args.tiny else Spec()
+    spec.workers = args.workers
+    sizes = {"weights_params": args.params, "steps": args.steps, "warmup": args.warmup,
+             "batch_size": args.batch_size, "hidden": args.hidden}  # fmt: skip
+    return sized(spec, sizes)
 
 
 def _threads_per_process(workers: int) -> int:

@@ -44,11 +44,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _spec(args: argparse.Namespace) -> ShardedSpec:
-    spec = ShardedSpec.tiny() if args.tiny else ShardedSpec()
-    for name in _SIZES:
-        value = getattr(args, name)
-        if value is not None:
-            setattr(spec, name, value)
+    spec = run.sized(ShardedSpec.tiny() if args.tiny else ShardedSpec(), {name: getattr(args, name) for name in _SIZES})
     spec.gpu = args.device == "gpu" or (args.device == "auto" and torch.cuda.device_count() >= spec.workers)
     return spec
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.report import Metric, summarize
+from benchmarks.report import Metric, cell, summarize
 from benchmarks.sharded_workload import BARE, BASELINE, CONTENDERS, OURS
 
 METRICS = (
@@ -84,14 +84,6 @@ def goals(table: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _cell(summary: dict[str, Any] | None, fmt: str) -> str:
-    if summary is None:
-        return "n/a"
-    spread = f" ({summary['min']:{fmt}}–{summary['max']:{fmt}})" if len(summary["samples"]) > 1 else ""
-    ratio = f" ×{summary['ratio']:.2f}" if "ratio" in summary else ""
-    return f"{summary['median']:{fmt}}{spread}{ratio}"
-
-
 def _header(document: dict[str, Any]) -> list[str]:
     spec, machine = document["spec"], document["machine"]
     device = "1 GPU" if spec["gpu"] else f"{machine['threads_per_process']} torch thread(s)"
@@ -127,7 +119,7 @@ def markdown(document: dict[str, Any]) -> str:
     lines.append("| --- |" + " ---: |" * len(METRICS))
     for name, entry in table.items():
         shown = [m for m in METRICS if name != BARE or m.key in _BARE_METRICS]
-        cells = [_cell(entry["metrics"][m.key], m.fmt) if m in shown else "—" for m in METRICS]
+        cells = [cell(entry["metrics"][m.key], m.fmt, "ratio") if m in shown else "—" for m in METRICS]
         lines.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
     lines += ["", *(f"- {entry['label']}: {entry['note']}." for entry in table.values())]
     lines += [f"- {CONTENDERS[name].label}: not run: {why}." for name, why in document["skipped"].items()]

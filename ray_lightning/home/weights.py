@@ -13,6 +13,7 @@ and the driver puts them in place.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import sys
 import warnings
@@ -182,6 +183,7 @@ def _shared_mappings() -> list[tuple[int, int]]:
     return found
 
 
+@functools.cache
 def _libc() -> Any:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -210,7 +210,7 @@ def _died(ref: Any) -> bool:
     except RayActorError:
         return True
     except Exception:  # noqa: BLE001 - it raised (a broken collective): its process is alive
-        return False
+        pass
     return False
 
 
