@@ -22,20 +22,13 @@ from ray_lightning import namespaces  # noqa: F401, I001
 from ray_lightning import _lightning
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.errors import ClusterResourceError, RayWorkerError, WorkerHangError
-from ray_lightning.horovod.strategy import HorovodRayStrategy
+from ray_lightning.horovod.strategy import HorovodRayAccelerator, HorovodRayStrategy
 from ray_lightning.launch.idle_pool import release_idle_workers
-from ray_lightning.strategies.accelerator import (
-    HorovodRayAccelerator,
-    RayAccelerator,
-    RayDeepSpeedAccelerator,
-    RayFSDPAccelerator,
-    RayModelParallelAccelerator,
-)
-from ray_lightning.strategies.ddp import RayStrategy
-from ray_lightning.strategies.deepspeed import RayDeepSpeedStrategy
-from ray_lightning.strategies.fsdp import RayFSDPStrategy
-from ray_lightning.strategies.fsdp1 import RayFSDP1Strategy
-from ray_lightning.strategies.model_parallel import RayModelParallelStrategy
+from ray_lightning.strategies.ddp import RayAccelerator, RayStrategy
+from ray_lightning.strategies.deepspeed import RayDeepSpeedAccelerator, RayDeepSpeedStrategy
+from ray_lightning.strategies.fsdp import RayFSDPAccelerator, RayFSDPStrategy
+from ray_lightning.strategies.fsdp1 import RayFSDP1Accelerator, RayFSDP1Strategy
+from ray_lightning.strategies.model_parallel import RayModelParallelAccelerator, RayModelParallelStrategy
 
 __version__ = "0.6.0"
 
@@ -49,6 +42,7 @@ __all__ = [
     "RayDeepSpeedAccelerator",
     "RayDeepSpeedStrategy",
     "RayEnvironment",
+    "RayFSDP1Accelerator",
     "RayFSDP1Strategy",
     "RayFSDPAccelerator",
     "RayModelParallelAccelerator",

@@ -84,12 +84,15 @@ def _gpu_sort_key(gpu_id: str) -> tuple[int, str]:
     return (int(gpu_id), "") if gpu_id.isdigit() else (1 << 30, gpu_id)
 
 
-class _RayEnvironment:
+class RayEnvironment(namespaces.PerNamespace):
     """Ranks of one worker in a Ray actor group, set by the launcher before training starts.
 
     A Lightning ``ClusterEnvironment``. On the driver (before launch) it reports rank 0 of
     ``num_workers``. Lightning must not start processes itself: Ray already did.
     """
+
+    lightning_base = "plugins.environments.ClusterEnvironment"
+    lightning_fabric = True
 
     def __init__(self, num_workers: int = 1) -> None:
         super().__init__()
@@ -152,6 +155,3 @@ class _RayEnvironment:
     @property
     def local_world_size(self) -> int:
         return self._rank.local_world_size
-
-
-RayEnvironment = namespaces.family(_RayEnvironment, "plugins.environments.ClusterEnvironment", __name__, fabric=True)

@@ -65,6 +65,13 @@ class WorkerHangError(RayWorkerError):
 class WorkerPreemptedError(RayWorkerError):
     """A worker's process or node is about to go away (SIGTERM, a node drained for preemption).
 
-    Raised on the driver when rank 0 has taken a checkpoint because of it, so the fit restarts from
-    there at once instead of waiting for the node to die; ``reason`` says who is going away.
+    Ends an attempt on the driver when rank 0 has taken a checkpoint because of it, so the fit restarts
+    from there at once instead of waiting for the node to die; ``reason`` says who is going away.
     """
+
+    def __init__(self, message: str, rank: int, reason: str = "") -> None:
+        super().__init__(message, rank)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.rank, self.reason), {"failures": self.failures})

@@ -4,19 +4,28 @@ Lightning ships the same code as two distributions: ``pytorch-lightning`` (modul
 ``pytorch_lightning`` and ``lightning_fabric``) and ``lightning`` (``lightning.pytorch`` and
 ``lightning.fabric``). Their classes are distinct: a ``lightning.pytorch.Trainer`` refuses a strategy
 that subclasses ``pytorch_lightning``'s ``Strategy``, and Lightning's ``is_overridden`` refuses a
-``pytorch_lightning`` callback. ray_lightning's code is written once against this module:
+``pytorch_lightning`` callback. :class:`Namespace` finds a Lightning name in one of the two
+(``ns.pl("callbacks.ModelCheckpoint")``); :func:`installed` lists those importable here; :func:`of`
+tells which one an object belongs to; :func:`every` gives a name from all of them, for ``isinstance``.
 
-* :class:`Namespace` finds a Lightning name in one of the two (``ns.pl("callbacks.ModelCheckpoint")``).
-  :func:`installed` lists those importable here; :func:`of` tells which one an object belongs to;
-  :func:`every` gives a name from all of them, for ``isinstance``.
-* :func:`family` makes one class, written once without a Lightning base, a subclass of a Lightning
-  base in *every* installed namespace. The member of the :func:`primary` namespace is the public
-  class (``ray_lightning.RayStrategy``); ``isinstance(x, RayStrategy)`` holds for every member, and a
-  Trainer of another namespace swaps a member for its own, rebuilt from the same arguments
-  (:mod:`ray_lightning._lightning.connector`). Members are module attributes
-  (``RayStrategy__lightning``), so Ray pickles them by reference.
-* Callbacks pass through no hook of ours, so ray_lightning's callbacks subclass every installed
-  namespace's ``Callback`` at once (:func:`bases`): one object serves either Trainer.
+How one class serves both packages. There are three ways, one per kind of class:
+
+1. **Strategies, accelerators, the cluster environment** subclass :class:`PerNamespace` and name
+   their Lightning base (``lightning_base = "strategies.DDPStrategy"``), without subclassing it. The
+   class users import (``ray_lightning.RayStrategy``) is that namespace-free class: they instantiate
+   it, subclass it and test ``isinstance`` against it. What Lightning gets is an instance of its
+   *member* for one namespace, ``member(RayStrategy, ns)``: a subclass of both the public class and
+   ``ns``'s Lightning base, made on first use and cached. ``RayStrategy(...)`` builds the member of
+   the :func:`primary` namespace. So that class checks (jsonargparse, LightningCLI) accept the public
+   class for either package, it is registered as a virtual subclass of each package's Lightning
+   base (``ABCMeta.register``). Instances pickle as their public class and namespace, so a worker
+   gets the same member class as any other object of its process.
+2. **A Trainer of the other package** swaps such an object for its member of the Trainer's namespace,
+   built again from the same constructor arguments (:func:`rebuild_for`, called by
+   :mod:`ray_lightning._lightning.connector`).
+3. **Callbacks** pass through no hook of ours, so they subclass every installed namespace's
+   ``Callback`` at once (``class C(*namespaces.every("callbacks.Callback"))``): one object serves
+   either Trainer.
 
 The primary namespace is ``pytorch_lightning`` where it is installed, else ``lightning.pytorch``: a
 rule that does not depend on import order, so the driver and every worker agree on it.
@@ -27,11 +36,9 @@ from __future__ import annotations
 import functools
 import importlib
 import itertools
-import sys
 import warnings
-from abc import ABCMeta
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 INSTALL_HINT = (
     "ray_lightning needs PyTorch Lightning: `pip install lightning` (import lightning.pytorch) or "
@@ -157,100 +164,86 @@ def every(path: str, *, fabric: bool = False) -> tuple[Any, ...]:
     return tuple(dict.fromkeys(ns.fabric(path) if fabric else ns.pl(path) for ns in installed()))
 
 
-def bases(path: str) -> tuple[type, ...]:
-    """The base classes of a class that must be a ``path`` of every installed namespace (callbacks)."""
-    return every(path)
-
-
 def set_everywhere(path: str, attribute: str, value: Any, *, fabric: bool = False) -> None:
     """Set ``attribute`` of ``path``'s object in every installed namespace (``rank_zero_only.rank``)."""
     for target in every(path, fabric=fabric):
         setattr(target, attribute, value)
 
 
-class FamilyMeta(ABCMeta):
-    """The metaclass of family members: each counts every member as itself for isinstance/issubclass."""
+class PerNamespace:
+    """A ray_lightning class Lightning sees, written once for both packages (see the module docstring, way 1).
 
-    def __instancecheck__(cls, instance: Any) -> bool:
-        return cls.__subclasscheck__(type(instance))
-
-    def __subclasscheck__(cls, subclass: type) -> bool:
-        # A member stands for its body: every namespace's member, and the subclasses of any.
-        body = cls.__dict__.get("family_body")
-        if body is not None and isinstance(subclass, type) and issubclass(subclass, body):
-            return True
-        return super().__subclasscheck__(subclass)
-
-
-def family(body: type, base: str, module: str, *, fabric: bool = False) -> type:
-    """Make ``body`` a subclass of ``base`` in every installed namespace; return the primary namespace's member.
-
-    ``body`` is written once, without a Lightning base; its methods reach their namespace's names
-    through ``self.namespace``. Each member is ``module``'s attribute ``<name>__<key>``; the primary
-    one is also returned for the public name (its ``__qualname__`` is the plain name).
-    :func:`sibling` gives a member's counterpart in another namespace, and :func:`rebuild_for` an
-    equal object of it (where the body keeps ``init_arguments``).
+    Subclasses set ``lightning_base`` (a path in the trainer package, or with ``lightning_fabric`` in
+    the fabric package). ``namespace`` is None on the public class and the namespace on a member;
+    ``public`` is the public class (on a member: the class it was made from).
     """
-    name = body.__name__.lstrip("_")
-    globals_ = sys.modules[module].__dict__
-    members: dict[Namespace, type] = {}
-    for ns in installed():
-        lightning_base = ns.fabric(base) if fabric else ns.pl(base)
-        attribute = name if ns == primary() else f"{name}__{ns.key}"
-        namespace_dict = {
-            "__module__": module,
-            "__qualname__": attribute,
-            "__doc__": body.__doc__,
-            "namespace": ns,
-            "family_members": members,
-            "family_body": body,
-        }
-        member = FamilyMeta(name, (body, lightning_base), namespace_dict)
-        members[ns] = member
-        globals_[f"{name}__{ns.key}"] = member
-    return members[primary()]
+
+    lightning_base: ClassVar[str]
+    lightning_fabric: ClassVar[bool] = False
+    namespace: ClassVar[Namespace | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Class checks (LightningCLI's) accept the public class, and a user's subclass of it, for either package.
+        super().__init_subclass__(**kwargs)
+        if cls.namespace is None and getattr(cls, "lightning_base", None) is not None:
+            for ns in installed():
+                _lightning_base(cls, ns).register(cls)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls.namespace is None:
+            cls = member(cls, primary())
+        return super().__new__(cls)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        # A member is made per process: pickled by reference to the public class it was made from.
+        return _new_member, (type(self).public, type(self).namespace), self.__getstate__()
 
 
-def sibling(obj_or_cls: Any, ns: Namespace) -> type:
-    """The member of ``obj_or_cls``'s family in namespace ``ns``."""
-    cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
-    members = cls.__dict__.get("family_members")
-    if members is None:
-        raise TypeError(
-            f"{cls.__module__}.{cls.__qualname__} subclasses {of(cls)}'s classes, so a {ns} Trainer cannot use it. "
-            f"Subclass ray_lightning's class for {ns} instead ({_member_path(cls, ns)}), or use a {of(cls)} Trainer."
-        )
-    if ns not in members:
-        raise TypeError(f"{cls.__name__} has no {ns} counterpart: {ns.distribution} is not installed.")
-    return members[ns]
+def _lightning_base(cls: type, ns: Namespace) -> type:
+    return ns.fabric(cls.lightning_base) if cls.lightning_fabric else ns.pl(cls.lightning_base)
 
 
-def _member_path(cls: type, ns: Namespace) -> str:
-    for klass in cls.__mro__:
-        members = klass.__dict__.get("family_members")
-        if members and ns in members:
-            return f"{members[ns].__module__}.{members[ns].__qualname__}"
-    return "?"
+def _new_member(public: type, ns: Namespace) -> Any:
+    return object.__new__(member(public, ns))
+
+
+_members: dict[tuple[type, Namespace], type] = {}
+
+
+def member(cls: type, ns: Namespace) -> type:
+    """``cls`` (a :class:`PerNamespace` subclass, or a member of it) as a subclass of ``ns``'s Lightning base."""
+    if cls.namespace == ns:
+        return cls
+    public = cls.public if cls.namespace is not None else cls
+    made = _members.get((public, ns))
+    if made is None:
+        if ns not in installed():
+            raise TypeError(f"{public.__name__} has no {ns} counterpart: {ns.distribution} is not installed.")
+        base = _lightning_base(public, ns)
+        attributes = {"__module__": public.__module__, "__qualname__": public.__qualname__, "__doc__": public.__doc__}
+        made = type(public.__name__, (public, base), {**attributes, "namespace": ns, "public": public})
+        _members[(public, ns)] = made
+    return made
 
 
 def rebuild_for(obj: Any, ns: Namespace) -> Any:
-    """``obj`` as an object of its sibling in ``ns``, built from its constructor's arguments (``init_arguments``),
+    """``obj`` as an object of its member for ``ns``, built from its constructor's arguments (``init_arguments``),
     sharing the attributes ``obj.shared_with_rebuild`` names."""
-    if getattr(type(obj), "namespace", None) == ns:
+    if type(obj).namespace == ns:
         return obj
-    rebuilt = sibling(obj, ns)(**obj.init_arguments)
+    rebuilt = member(type(obj), ns)(**obj.init_arguments)
     # What the original and its rebuild both show (a record the rebuild appends to, which the caller reads).
     for name in getattr(obj, "shared_with_rebuild", ()):
         setattr(rebuilt, name, getattr(obj, name))
     return rebuilt
 
 
-def register(member: type, registry: str, name: str, description: str) -> None:
-    """Register each member of ``member``'s family as ``name`` in its own namespace's ``registry``."""
-    for ns, cls in member.family_members.items():
+def register(cls: type, registry: str, name: str, description: str) -> None:
+    """Register ``cls``'s member of each namespace as ``name`` in that namespace's ``registry``."""
+    for ns in installed():
         table = ns.pl(registry)
         if name not in table:
-            table.register(name, cls, description=description)
+            table.register(name, member(cls, ns), description=description)
 
 
 # Lightning's TrainerFn values: its enum compares equal to them in either namespace

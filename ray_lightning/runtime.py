@@ -102,7 +102,7 @@ class WorkerContext:
 
 @dataclass(frozen=True)
 class RecoveryPlan:
-    """What a worker of a fit that may restart does for it (``ray_lightning.config.RecoverySettings``).
+    """What a worker of a fit that may restart does for it (``ray_lightning.config.restarts.RecoverySettings``).
 
     ``every_n_steps``: rank 0 checkpoints every this many optimizer steps besides epoch ends.
     ``notice_key``: where any rank leaves word that its process or node is going away (Ray's

@@ -37,7 +37,7 @@ from typing_extensions import override
 
 from ray_lightning import namespaces
 from ray_lightning.channel.driver_channel import send_to_driver
-from ray_lightning.config import resolve_worker_resources
+from ray_lightning.config.resources import resolve_worker_resources
 from ray_lightning.launch.placement import trial_bundles
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ def _metric_names(metrics: None | str | Sequence[str] | Mapping[str, str]) -> di
     return pairs
 
 
-class TuneReportCallback(*namespaces.bases("callbacks.Callback")):
+class TuneReportCallback(*namespaces.every("callbacks.Callback")):
     """Report Lightning's logged metrics to Ray Tune from a trial's training.
 
     Works with ``RayStrategy``/``HorovodRayStrategy`` (rank 0 reports through the trial's process)

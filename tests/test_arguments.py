@@ -8,7 +8,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from ray_lightning import ClusterResourceError, HorovodRayAccelerator, HorovodRayStrategy, RayAccelerator, RayStrategy
-from ray_lightning.config import resolve_worker_resources
+from ray_lightning.config.resources import resolve_worker_resources
 from ray_lightning.launch.placement import check_cluster_can_hold
 from tests.conftest import alive_worker_actors
 from tests.models import BoringModel
@@ -334,7 +334,9 @@ def test_progress_timeout_from_argument_environment_or_default(monkeypatch):
     assert RayStrategy(progress_timeout_s=None).progress_timeout_s is None  # None switches the watchdog off
     monkeypatch.setenv("RAY_LIGHTNING_PROGRESS_TIMEOUT_S", "120")
     assert RayStrategy().progress_timeout_s == 120.0
-    assert RayStrategy(progress_timeout_s=900.0).progress_timeout_s == 900.0  # a given value wins
+    # The default given explicitly (as LightningCLI passes every default) is the default: the variable applies.
+    assert RayStrategy(progress_timeout_s=900.0).progress_timeout_s == 120.0
+    assert RayStrategy(progress_timeout_s=300).progress_timeout_s == 300.0  # any other value wins
     monkeypatch.setenv("RAY_LIGHTNING_PROGRESS_TIMEOUT_S", "none")
     assert RayAccelerator(num_workers=2).make_strategy().progress_timeout_s is None
     monkeypatch.setenv("RAY_LIGHTNING_PROGRESS_TIMEOUT_S", "soon")

@@ -19,12 +19,13 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from ray_lightning import ClusterResourceError, RayStrategy
-from ray_lightning.config import SCALE_UP_TIMEOUT_ENV, resolve_worker_resources
+from ray_lightning.config.resources import resolve_worker_resources
+from ray_lightning.config.variables import SCALE_UP_TIMEOUT_ENV
 from ray_lightning.launch import placement
 from ray_lightning.launch.autoscaler import Autoscaler, find_autoscaler
-from ray_lightning.launch.placement import reserve_own_placement
+from ray_lightning.launch.placement import OwnPlacement
 from tests.autoscaling_cluster import AutoscalingCluster
-from tests.conftest import ROOT
+from tests.conftest import ROOT, wait_for
 from tests.models import BoringModel
 
 pytestmark = pytest.mark.timeout(900)
@@ -48,9 +49,24 @@ def autoscaling_cluster(request) -> Iterator[AutoscalingCluster]:
     with AutoscalingCluster.start(NODE_TYPES, max_workers=2, head_resources={"shared": 1}, v2=v2) as cluster:
         try:
             ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+            _wait_until_published(cluster)
             yield cluster
         finally:
             ray.shutdown()
+
+
+def _wait_until_published(cluster: AutoscalingCluster, timeout_s: float = 120) -> None:
+    """Until the autoscaler has published what it is and its node types: v1's monitor does so on its
+    first update, seconds after the head started (later under load), and until then the cluster looks
+    like one without an autoscaler, as it would to a user's driver started that early."""
+    try:
+        wait_for(
+            lambda: (found := find_autoscaler()) is not None and found.node_types is not None,
+            timeout_s,
+            f"autoscaler {cluster.version}'s monitor to publish its status and node types (find_autoscaler())",
+        )
+    except AssertionError as error:
+        raise AssertionError(f"{error}\n--- monitor.log ---\n{cluster.monitor_log()}") from None
 
 
 class _Lines(logging.Handler):
@@ -95,7 +111,7 @@ def test_scale_up_bound_error_says_what_was_asked_and_reported(autoscaling_clust
     request = resolve_worker_resources(2, 1, False, {"CPU": 1, "spare": 1})
     started = time.monotonic()
     with pytest.raises(ClusterResourceError) as info:
-        reserve_own_placement(request, placement_timeout_s=60, scale_up_timeout_s=2)
+        OwnPlacement.reserve(request, placement_timeout_s=60, scale_up_timeout_s=2)
     elapsed = time.monotonic() - started
     text = str(info.value)
     assert text.startswith("Could not reserve 2 worker(s) x {1 CPU, 1 spare} within 2 s (scale_up_timeout_s)"), text
@@ -127,7 +143,7 @@ def test_unknown_node_types_wait_for_what_the_autoscaler_says(autoscaling_cluste
     bound = 120 if autoscaling_cluster.v2 else 6
     started = time.monotonic()
     with pytest.raises(ClusterResourceError) as info:
-        reserve_own_placement(request, placement_timeout_s=60, scale_up_timeout_s=bound)
+        OwnPlacement.reserve(request, placement_timeout_s=60, scale_up_timeout_s=bound)
     elapsed = time.monotonic() - started
     if autoscaling_cluster.v2:
         assert str(info.value).startswith("The autoscaler reports that none of its node types can hold"), info.value
@@ -144,7 +160,7 @@ def test_busy_nodes_wait_for_the_nodes_the_autoscaler_adds(autoscaling_cluster, 
     assert blocker.wait(60)
     try:
         request = resolve_worker_resources(1, 1, False, {"shared": 1})
-        reserve_own_placement(request, placement_timeout_s=1, scale_up_timeout_s=240).release()
+        OwnPlacement.reserve(request, placement_timeout_s=1, scale_up_timeout_s=240).release()
     finally:
         remove_placement_group(blocker)
     assert _nodes_with("shared") == 2

@@ -46,10 +46,11 @@ def block_rank_one_forever() -> None:
 
 
 def _strategy(kind: str, **kwargs):
+    kwargs = {"keep_workers_alive_s": 0, **kwargs}
     if kind == "horovod":
         pytest.importorskip("horovod.torch", reason="Horovod is not installed: `python3 dev.py test` builds it")
-        return HorovodRayStrategy(num_workers=2, keep_workers_alive_s=0, **kwargs)
-    return RayStrategy(num_workers=2, keep_workers_alive_s=0, **kwargs)
+        return HorovodRayStrategy(num_workers=2, **kwargs)
+    return RayStrategy(num_workers=2, **kwargs)
 
 
 def _fit_until_it_hangs(model: pl.LightningModule, strategy) -> WorkerHangError:
@@ -109,8 +110,7 @@ def test_a_barrier_entered_by_one_rank_only_names_that_rank(kind):
 @pytest.mark.parametrize("kind", ["ddp", "horovod"])
 def test_a_hanging_init_hook_is_bounded_by_worker_start_timeout_s(kind):
     # Started workers (kept from a first fit) leave the bound to the init_hook alone, however busy the machine.
-    warm = _strategy(kind)
-    warm.keep_workers_alive_s = 60
+    warm = _strategy(kind, keep_workers_alive_s=60)
     pl.Trainer(max_epochs=1, limit_train_batches=1, strategy=warm, logger=False, enable_progress_bar=False).fit(
         BoringModel()
     )

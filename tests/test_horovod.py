@@ -21,7 +21,7 @@ from ray_lightning import (
     RayStrategy,
     RayWorkerError,
 )
-from ray_lightning.config import worker_layout
+from ray_lightning.horovod.strategy import worker_layout
 from tests.conftest import alive_worker_actors, wait_for
 from tests.models import BoringModel, HorovodRanks, IndexedDataset, read_records
 from tests.test_training import FailingModel

@@ -1,4 +1,4 @@
-"""The package stays walkable: layers import one way, no cycles, short functions, Lightning's privates in one folder.
+"""The package stays walkable: layers import one way, no cycles, short functions, each library's privates in one folder.
 
 Each test fails naming the offending file, line and import or name.
 """
@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import ray_lightning
+from ray_lightning import _ray, _torch
 from ray_lightning._lightning import PRIVATE_NAMES
 from ray_lightning._lightning.connector import WRAPPED
 
@@ -24,6 +25,8 @@ LAYERS = [
     "config",
     "environment",
     "runtime",
+    "_torch",
+    "_ray",
     "_lightning",
     "channel",
     "home",
@@ -139,10 +142,18 @@ def test_functions_are_short():
 _PRIVATE_ATTRIBUTES = {p.name.split(".")[0] for p in PRIVATE_NAMES if p.name.startswith("_")} | set(WRAPPED)
 
 
+def _is_private_part(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def _is_dotted(value: object) -> bool:
+    parts = value.split(".") if isinstance(value, str) else []
+    return len(parts) > 1 and all(p.isidentifier() for p in parts)
+
+
 def _is_private_path(value: object) -> bool:
     """A dotted path with a private part, as given to ``Namespace.pl`` (``"core.optimizer._MockOptimizer"``)."""
-    parts = value.split(".") if isinstance(value, str) else []
-    return len(parts) > 1 and all(p.isidentifier() for p in parts) and any(p.startswith("_") for p in parts)
+    return _is_dotted(value) and any(p.startswith("_") for p in value.split("."))
 
 
 def test_private_lightning_names_only_in_the_lightning_folder():
@@ -160,8 +171,87 @@ def test_private_lightning_names_only_in_the_lightning_folder():
                 offending.append(f"{where}:{node.lineno} uses Lightning's private .{node.attr}")
             elif isinstance(node, ast.FunctionDef) and node.name in _PRIVATE_ATTRIBUTES:
                 offending.append(f"{where}:{node.lineno} overrides Lightning's private {node.name}")
-            elif isinstance(node, ast.Constant) and _is_private_path(node.value):
+            elif isinstance(node, ast.Constant) and _is_private_path(node.value) and _library(node.value) is None:
                 offending.append(f"{where}:{node.lineno} looks up Lightning's private {node.value!r}")
+    assert not offending, "\n".join(offending)
+
+
+# Private Ray and torch names: each library's only in its own folder, whose PRIVATE_NAMES lists them.
+# Found: imports of private modules and names, attribute chains through them (``ray._private.worker``),
+# dotted private paths in strings, and the private attribute names of the lists (``._opt_called``,
+# ``getattr(x, "_lock")``) on anything: a name of ours that collides with one needs another name.
+# library: (its folder, how messages name it, its private names)
+FENCES = {"ray": ("_ray", "Ray", _ray.PRIVATE_NAMES), "torch": ("_torch", "torch", _torch.PRIVATE_NAMES)}
+# Ray's modules that are private as a whole, though no part of their names starts with "_".
+RAY_PRIVATE_MODULES = ("ray.experimental", "ray.core.generated")
+# Private attribute names (``_opt_called``, ``_lock``...) of the fences' lists: which library each is of.
+_LIBRARY_ATTRIBUTES = {
+    part: library
+    for library, (_, _, names) in FENCES.items()
+    for private in names
+    for part in private.name.split(".")
+    if _is_private_part(part)
+}
+_ATTRIBUTE_FUNCTIONS = ("getattr", "setattr", "hasattr", "delattr")
+
+
+def _library(dotted: str) -> str | None:
+    """The library (a key of FENCES) a dotted module path belongs to, if one of them."""
+    root = dotted.split(".")[0]
+    return root if root in FENCES else None
+
+
+def _is_private_module(dotted: str) -> bool:
+    """``ray._private.state``, ``torch.distributed.algorithms._checkpoint``, ``ray.experimental.internal_kv``."""
+    if any(_is_private_part(part) for part in dotted.split(".")):
+        return True
+    return any(dotted == m or dotted.startswith(m + ".") for m in RAY_PRIVATE_MODULES)
+
+
+def _chain(node: ast.AST) -> str | None:
+    """``"a.b.c"`` for an attribute chain on a name (``ray._private.worker``), else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def _import_uses(node: ast.Import | ast.ImportFrom) -> Iterator[str]:
+    """The private Ray or torch modules and names an import statement imports."""
+    if isinstance(node, ast.Import):
+        yield from (a.name for a in node.names if _library(a.name) and _is_private_module(a.name))
+    elif node.module and not node.level and _library(node.module):
+        yield from (name for name in (f"{node.module}.{a.name}" for a in node.names) if _is_private_module(name))
+
+
+def _library_uses(tree: ast.AST) -> Iterator[tuple[int, str, str]]:
+    """``(line, library, what)`` for each private Ray or torch name a module's code uses."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield from ((node.lineno, _library(name), f"imports {name}") for name in _import_uses(node))
+        elif isinstance(node, ast.Attribute):
+            chain, outer = _chain(node), _chain(node.value)
+            if chain and _library(chain) and _is_private_module(chain) and not _is_private_module(outer or ""):
+                yield node.lineno, _library(chain), f"uses {chain}"
+            elif node.attr in _LIBRARY_ATTRIBUTES:
+                yield node.lineno, _LIBRARY_ATTRIBUTES[node.attr], f"uses .{node.attr}"
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _ATTRIBUTE_FUNCTIONS:
+            name = node.args[1] if len(node.args) > 1 else None
+            if isinstance(name, ast.Constant) and name.value in _LIBRARY_ATTRIBUTES:
+                yield node.lineno, _LIBRARY_ATTRIBUTES[name.value], f"uses .{name.value} ({node.func.id})"
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _library(node.value):
+            if _is_dotted(node.value) and _is_private_module(node.value):
+                yield node.lineno, _library(node.value), f"looks up {node.value!r}"
+
+
+def test_private_ray_and_torch_names_only_in_their_folders():
+    offending = []
+    for module, path in MODULES.items():
+        for line, library, what in _library_uses(ast.parse(path.read_text())):
+            folder, named, _ = FENCES[library]
+            if _layer(module) != folder:
+                offending.append(f"{_where(path)}:{line} {what}: {named}'s private (only in ray_lightning/{folder}/)")
     assert not offending, "\n".join(offending)
 
 
@@ -201,15 +291,22 @@ def test_every_lightning_override_is_marked():
 
 
 def test_the_checks_can_fail(tmp_path, monkeypatch):
-    # A module of a low layer importing a higher one, and a private Lightning import, are found.
-    bad = PACKAGE / "config.py"
+    # A module of a low layer importing a higher one, and private Lightning, Ray and torch names, are found.
+    bad = PACKAGE / "config" / "display.py"
     source = bad.read_text() + (
         "\nfrom ray_lightning.launch import launcher\nfrom lightning_fabric.x import _y\n"
         "MOCK = 'core.optimizer._MockOptimizer'\n"
+        "from ray.experimental.internal_kv import _internal_kv_get\n"
+        "from ray.core.generated import autoscaler_pb2\n"
+        "import torch.distributed.algorithms._checkpoint.checkpoint_wrapper\n"
+        "WORKER = ray._private.worker.global_worker\n"
+        "optimizer._opt_called = True\n"
+        "LOCK = getattr(dispatcher, '_lock', None)\n"
+        "STATE = 'ray._private.state'\n"
     )
-    fake = tmp_path / "config.py"
+    fake = tmp_path / "display.py"
     fake.write_text(source)
-    monkeypatch.setitem(MODULES, "ray_lightning.config", fake)
+    monkeypatch.setitem(MODULES, "ray_lightning.config.display", fake)
     try:
         test_layers_import_only_downwards()
     except AssertionError as error:
@@ -221,5 +318,32 @@ def test_the_checks_can_fail(tmp_path, monkeypatch):
     except AssertionError as error:
         assert "imports lightning_fabric.x._y" in str(error)
         assert "looks up Lightning's private 'core.optimizer._MockOptimizer'" in str(error)
+        assert "ray._private.state" not in str(error)  # Ray's: the next check's
     else:
         raise AssertionError("a private-name check that cannot fail")
+    _check_the_ray_and_torch_check_fails(str(fake))
+
+
+def _check_the_ray_and_torch_check_fails(fake: str) -> None:
+    try:
+        test_private_ray_and_torch_names_only_in_their_folders()
+    except AssertionError as error:
+        lines = [line.strip() for line in str(error).splitlines()]  # pytest indents a message's later lines
+        found = [line.split(" ", 1)[1] for line in lines if line.startswith(f"{fake}:")]
+    else:
+        raise AssertionError("a private Ray/torch name check that cannot fail")
+    ray_only, torch_only = (
+        "Ray's private (only in ray_lightning/_ray/)",
+        "torch's private (only in ray_lightning/_torch/)",
+    )
+    assert sorted(found) == sorted(
+        [
+            f"imports ray.experimental.internal_kv._internal_kv_get: {ray_only}",
+            f"imports ray.core.generated.autoscaler_pb2: {ray_only}",
+            f"imports torch.distributed.algorithms._checkpoint.checkpoint_wrapper: {torch_only}",
+            f"uses ray._private: {ray_only}",
+            f"uses ._opt_called: {torch_only}",
+            f"uses ._lock (getattr): {ray_only}",
+            f"looks up 'ray._private.state': {ray_only}",
+        ]
+    ), found

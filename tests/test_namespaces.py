@@ -206,14 +206,19 @@ def test_both_trainers_in_one_process(ray_local):
 
 
 @pytest.mark.skipif(len(INSTALLED) < 2, reason="needs both lightning and pytorch-lightning installed")
-def test_a_subclass_of_the_other_namespace_is_refused_by_name():
-    primary, other = namespaces.installed()
-
+def test_a_subclass_serves_both_namespaces():
     class MyStrategy(ray_lightning.RayStrategy):
-        pass
+        def marked(self) -> str:
+            return "mine"
 
-    with pytest.raises(TypeError, match=f"MyStrategy subclasses {primary}'s classes.*RayStrategy__{other.key}"):
-        lightning(other.trainer_package).Trainer(strategy=MyStrategy(num_workers=1), logger=False)
+    strategy = MyStrategy(num_workers=1, find_unused_parameters=True)
+    for name in INSTALLED:
+        pl = lightning(name)
+        assert issubclass(MyStrategy, pl.strategies.Strategy)  # what LightningCLI checks of a class_path
+        trainer = pl.Trainer(strategy=strategy, logger=False, enable_checkpointing=False)
+        assert namespaces.of(trainer.strategy).trainer_package == name
+        assert isinstance(trainer.strategy, MyStrategy) and trainer.strategy.marked() == "mine"
+        assert trainer.strategy.init_arguments["find_unused_parameters"] is True
 
 
 def test_without_lightning_the_import_says_what_to_install():

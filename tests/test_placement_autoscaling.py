@@ -9,7 +9,7 @@ import yaml
 from ray.core.generated.autoscaler_pb2 import GetClusterStatusReply
 
 from ray_lightning import ClusterResourceError
-from ray_lightning.config import resolve_worker_resources
+from ray_lightning.config.resources import resolve_worker_resources
 from ray_lightning.launch.autoscaler import (
     UNBOUNDED,
     Autoscaler,

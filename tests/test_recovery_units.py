@@ -1,54 +1,20 @@
-"""The pure parts of restarts (no Ray): which failures a restart follows, the staging mirror, a continued CSV log."""
+"""The pure parts of restarts (no Ray): the final error, the staging mirror, a continued CSV log, random states."""
 
 from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 from pytorch_lightning.loggers import CSVLogger
 
 from ray_lightning._lightning.loggers import continue_csv_log
-from ray_lightning.config import RecoverySettings
-from ray_lightning.errors import (
-    RayWorkerError,
-    WorkerDiedError,
-    WorkerHangError,
-    WorkerPreemptedError,
-    WorkerStartupError,
-)
+from ray_lightning.config.restarts import RecoverySettings
+from ray_lightning.errors import WorkerDiedError
 from ray_lightning.home.files import StagingMirror, WriteScope, to_staged
 from ray_lightning.home.recovery import random_states, set_random_states
-from ray_lightning.launch.recovery import Recovery, restart_reason
-
-
-def _raised(cause: BaseException) -> RayWorkerError:
-    error = RayWorkerError(f"ray_lightning worker rank 1 raised an exception.\n{cause!r}", rank=1)
-    error.__cause__ = cause
-    return error
-
-
-@pytest.mark.parametrize(
-    "error, reason",
-    [
-        (WorkerDiedError("rank 1 died", rank=1), "worker died"),
-        (WorkerDiedError("rank 1 died", rank=1, preempted=True), "node preempted"),
-        (WorkerStartupError("rank 0 died while starting", rank=0), "worker died while starting"),
-        (WorkerPreemptedError("node going", rank=0), "preempted"),
-        (
-            _raised(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")),
-            "collective broken by a peer's loss",
-        ),
-        (_raised(torch.distributed.DistNetworkError("store went away")), "collective broken by a peer's loss"),
-        (_raised(ValueError("a bug in training_step")), None),
-        (_raised(RuntimeError("CUDA out of memory")), None),
-        (WorkerHangError("stuck", rank=1), None),
-        (KeyboardInterrupt(), None),
-        (TimeoutError("workers did not start"), None),
-    ],
-)
-def test_a_restart_follows_what_happened_to_workers_not_what_their_code_did(error, reason):
-    assert restart_reason(error) == reason
+from ray_lightning.launch.actor import NodeInfo
+from ray_lightning.launch.failures import Failure, Kind
+from ray_lightning.launch.recovery import Recovery
 
 
 def test_errors_keep_their_failures_when_pickled():
@@ -61,21 +27,23 @@ def test_errors_keep_their_failures_when_pickled():
 
 
 def test_the_final_error_names_every_failure(tmp_path):
-    recovery = Recovery(RecoverySettings(max_failures=1), WriteScope(), history=[])
+    history: list = []
+    recovery = Recovery(RecoverySettings(max_failures=1), WriteScope(), history=history)
+    node = NodeInfo("node-2", "10.0.0.2", 4711, [])
     first = WorkerDiedError("ray_lightning worker rank 1 (node 10.0.0.2) died unexpectedly", rank=1)
-    assert recovery.restart_after(first, {})
+    restart = recovery.record_restart(Failure(Kind.WORKER_DIED, first, 1, node))
+    assert (restart.number, restart.rank, restart.node, restart.reason) == (1, 1, "10.0.0.2", "worker died")
     second = WorkerDiedError("ray_lightning worker rank 0 (node 10.0.0.3) died unexpectedly", rank=0)
-    assert not recovery.restart_after(second, {}), "max_failures=1 allows one restart"
     final = recovery.final_error(second)
     assert type(final) is WorkerDiedError and final.rank == 0 and final.failures == [str(first)]
     assert "failed 2 times (max_failures=1)" in str(final) and "10.0.0.2" in str(final) and "10.0.0.3" in str(final)
-    assert [r.rank for r in recovery.restarts] == [1]
+    assert [r.rank for r in recovery.restarts] == [1] and history == recovery.restarts
 
 
-def test_without_max_failures_the_error_is_raised_unchanged():
+def test_without_restarts_the_error_is_raised_unchanged():
     recovery = Recovery(RecoverySettings(), WriteScope(), history=[])
     error = WorkerDiedError("died", rank=1)
-    assert not recovery.restart_after(error, {}) and recovery.final_error(error) is error
+    assert recovery.final_error(error) is error
 
 
 def test_the_mirror_sends_what_changed_and_what_was_removed(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
-from ray_lightning.config import resolve_worker_resources
+from ray_lightning.config.resources import resolve_worker_resources
 from ray_lightning.errors import RayWorkerError, WorkerStartupError
 from ray_lightning.launch.placement import OwnPlacement
 from ray_lightning.launch.worker_group import WorkerGroup
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 
 def test_a_worker_dying_while_starting_is_named_and_everything_is_released():
     request = resolve_worker_resources(2)
-    placement = OwnPlacement.reserve(request, timeout_s=60)
+    placement = OwnPlacement.reserve(request, placement_timeout_s=60)
     group = WorkerGroup.start(placement, request)
     victim = 1
     ray.kill(group.actors[victim], no_restart=True)

@@ -56,9 +56,6 @@ class BringsItsStrategy(Protocol):
     def make_strategy(self) -> Any:
         """The strategy this accelerator stands for."""
 
-    def strategy_class(self) -> type:
-        """The class of that strategy, for error messages."""
-
 
 def connector_class(ns: Namespace | None = None) -> Any:
     """Lightning's ``_AcceleratorConnector`` class (of ``ns``, default the primary namespace), or None if it moved."""
@@ -70,20 +67,20 @@ def connector_class(ns: Namespace | None = None) -> Any:
 
 def _registered_strategy(ns: Namespace, name: str) -> Any:
     """The strategy registered as ``name`` if it chooses its accelerator (it must be built before Lightning looks)."""
-    StrategyRegistry = ns.pl("strategies.StrategyRegistry")  # noqa: N806 - Lightning's name
+    registry = ns.pl("strategies.StrategyRegistry")
     name = name.lower()
-    if name not in StrategyRegistry:
+    if name not in registry:
         return None
-    cls = StrategyRegistry[name]["strategy"]
+    cls = registry[name]["strategy"]
     # Only ours are built here: building others (DeepSpeed...) may import what is not installed.
-    return StrategyRegistry.get(name) if isinstance(cls, type) and issubclass(cls, ChoosesItsAccelerator) else None
+    return registry.get(name) if isinstance(cls, type) and issubclass(cls, ChoosesItsAccelerator) else None
 
 
 def _refuse_other_strategy(connector: Any, accelerator: Any) -> None:
     flag = connector._strategy_flag
     shown = repr(flag) if isinstance(flag, str) else f"{type(flag).__name__}(...)"
     accel = type(accelerator).__name__
-    strategy_name = accelerator.strategy_class().__name__
+    strategy_name = accelerator.strategy_class.__name__
     raise ValueError(
         f"Trainer(accelerator={accel}(...)) cannot be combined with strategy={shown}: "
         f"the {accel} brings its own {strategy_name}. "

@@ -15,12 +15,20 @@ Each is used because no public API does the job (what is done with them:
 * ``CometLogger._comet_config``: where an offline experiment is archived (``save_dir`` only reads it).
 * ``CSVLogger.experiment.metrics_keys`` and ``metrics_file_path`` (of Lightning's private
   ``_ExperimentWriter``): a CSV log a restarted rank 0 continues (:func:`continue_csv_log`).
+* MLflow's own ``mlflow.tracking._tracking_service.utils._artifact_repos_cache``: the artifact
+  location MLflow keeps per run and process, which a reused worker must forget after a call whose
+  rank 0 logged into a staging directory (:func:`forget_mlflow_artifact_repository`). It is
+  MLflow's private, not Lightning's, but it is here, with the ``MLFlowLogger``'s, rather than in a
+  fence of its own: it is one name, it serves the same code (``home/loggers/mlflow_store.py``) and
+  needs the same optional package, which the ``needs`` of :data:`PRIVATE_NAMES` already handles.
 
 Every one is in :data:`PRIVATE_NAMES` (via :mod:`.names`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +41,8 @@ WANDB_ATTRIBUTES = ("_experiment", "_wandb_init", "_id", "_logged_model_time", "
 MLFLOW_ATTRIBUTES = ("_tracking_uri", "_mlflow_client", "_logged_model_time")
 COMET_ATTRIBUTES = ("_experiment", "_comet_config")
 CSV_ATTRIBUTES = ("experiment.metrics_keys", "experiment.metrics_file_path")
+# MLflow's (not Lightning's): (module, attribute) of each run's artifact repository, per process.
+MLFLOW_ARTIFACT_CACHE = ("mlflow.tracking._tracking_service.utils", "_artifact_repos_cache")
 
 
 def continue_csv_log(logger: Any, before_step: int | None) -> None:
@@ -106,6 +116,17 @@ def set_mlflow_tracking_uri(logger: Any, uri: str) -> None:
     logger._mlflow_client = MlflowClient(uri)
 
 
+def forget_mlflow_artifact_repository(run_id: str) -> None:
+    """Make MLflow look up the run's artifact location again on its next use in this process.
+
+    MLflow keeps each run's artifact location per process: a call's staging directory is gone after
+    the call, and a reused worker must not write the next call's artifacts there.
+    """
+    with contextlib.suppress(ImportError, AttributeError):
+        cache = getattr(importlib.import_module(MLFLOW_ARTIFACT_CACHE[0]), MLFLOW_ARTIFACT_CACHE[1])
+        cache.pop(run_id, None)
+
+
 def comet_config(logger: Any) -> Any:
     """The ``comet_ml.ExperimentConfig`` the Comet logger starts its experiments with."""
     return logger._comet_config
@@ -163,6 +184,12 @@ def logger_owners(ns: Namespace) -> tuple[tuple[str, str | None, tuple[str, ...]
         # Its experiment makes a version directory: in a directory of its own.
         (f"{where}.CSVLogger", None, CSV_ATTRIBUTES, _csv_logger(ns)),
     )
+
+
+def third_party_owners() -> tuple[tuple[str, str | None, tuple[str, ...], Callable[[], Any]], ...]:
+    """As :func:`logger_owners`, for the private names of the loggers' own packages (whatever the namespace)."""
+    module, name = MLFLOW_ARTIFACT_CACHE
+    return ((module, "mlflow", (name,), lambda: importlib.import_module(module)),)
 
 
 def _csv_logger(ns: Namespace) -> Callable[[], Any]:

@@ -9,7 +9,8 @@ Each is used because no public API does the job:
 * ``_is_local_file_protocol``: which directories are local files (remote URLs are left alone).
 * ``Trainer._default_root_dir``, the loggers' ``_root_dir``/``_save_dir``: the directories rank 0
   writes into, which have no public setters (rank 0 off the driver's machine stages them).
-* The private attributes of the W&B, MLflow and Comet loggers (:mod:`.loggers`).
+* The private attributes of the W&B, MLflow and Comet loggers, and MLflow's own cache of artifact
+  locations (:mod:`.loggers`).
 * ``Trainer._checkpoint_connector.dump_checkpoint``: the checkpoint ``trainer.save_checkpoint``
   would write, as a dict, in rank 0 alone (``save_checkpoint`` is collective and writes a file):
   the recovery checkpoints of a fit that may restart its workers.
@@ -21,6 +22,8 @@ Each is used because no public API does the job:
 ``tests/test_lightning_internals.py`` checks each and names any that moved. Every name is looked up
 in the Lightning namespace in use (``pytorch_lightning`` or ``lightning.pytorch``,
 :mod:`ray_lightning.namespaces`), and :data:`PRIVATE_NAMES` holds them for each installed one.
+:class:`PrivateName`, the record of one, is shared with the Ray and torch fences
+(:mod:`ray_lightning._torch.private`).
 """
 
 from __future__ import annotations
@@ -28,12 +31,12 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ray_lightning import namespaces
 from ray_lightning._lightning import sharded
-from ray_lightning._lightning.loggers import logger_owners
+from ray_lightning._lightning.loggers import logger_owners, third_party_owners
+from ray_lightning._torch.private import PrivateName
 from ray_lightning.namespaces import Namespace
 
 if TYPE_CHECKING:
@@ -48,7 +51,7 @@ CONNECTOR = "trainer.connectors.accelerator_connector._AcceleratorConnector"
 
 def launcher_bases() -> tuple[type, ...]:
     """The base class Lightning's strategies expect of ``strategy.launcher``, of every installed namespace."""
-    return namespaces.bases(LAUNCHER)
+    return namespaces.every(LAUNCHER)
 
 
 def init_dist_connection(ns: Namespace, *args: Any, **kwargs: Any) -> None:
@@ -144,28 +147,6 @@ def load_fit_progress(trainer: pl.Trainer, state: dict[str, Any]) -> None:
             setattr(*_owner_and_name(trainer, path), state[key])
 
 
-@dataclass(frozen=True)
-class PrivateName:
-    """One private Lightning name we rely on: ``name`` on what ``owner`` finds (a module, class or object)."""
-
-    where: str
-    name: str  # may be dotted: a path of attributes
-    owner: Callable[[], Any]
-    needs: str | None = None  # the optional package the owner needs (a logger's), if any
-
-    def missing(self) -> str | None:
-        """None if the name is still there; else what is missing."""
-        try:
-            obj = self.owner()
-        except Exception as error:  # noqa: BLE001 - whatever broke is what moved
-            return f"{self.where}: cannot get it ({type(error).__name__}: {error})"
-        for part in self.name.split("."):
-            if not hasattr(obj, part):
-                return f"{self.where} has no {self.name} (no {part!r} on {type(obj).__name__})"
-            obj = getattr(obj, part)
-        return None
-
-
 def _module(ns: Namespace, path: str, *, fabric: bool = False) -> Callable[[], Any]:
     package = ns.fabric_package if fabric else ns.trainer_package
     return lambda: importlib.import_module(f"{package}.{path}")
@@ -223,7 +204,10 @@ def _private_names(ns: Namespace) -> Iterator[PrivateName]:
 
 def private_names() -> tuple[PrivateName, ...]:
     """Every private Lightning name ray_lightning relies on, in every installed namespace."""
-    return tuple(name for ns in namespaces.installed() for name in _private_names(ns))
+    names = [name for ns in namespaces.installed() for name in _private_names(ns)]
+    for where, needs, attributes, owner in third_party_owners():
+        names += [PrivateName(where, name, owner, needs) for name in attributes]
+    return tuple(names)
 
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = private_names()

@@ -91,10 +91,10 @@ class Heartbeat:
             self._queue.actor.put_nowait.remote(report.to_message())
 
 
-class HeartbeatCallback(*namespaces.bases("callbacks.Callback")):
+class HeartbeatCallback(*namespaces.every("callbacks.Callback")):
     """Marks every loop event of the Trainer on this rank (added to the worker's Trainer by the worker).
 
-    A ``Callback`` of every installed Lightning namespace (:func:`ray_lightning.namespaces.bases`).
+    A ``Callback`` of every installed Lightning namespace (:func:`ray_lightning.namespaces.every`).
     """
 
     @override

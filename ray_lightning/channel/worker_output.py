@@ -10,10 +10,10 @@ the launcher wait (bounded) until every rank's markers arrived: every line befor
 printed by then, with Ray's usual ``(rank N pid=...)`` prefix.
 
 Ray has no public API for this: the printer is the ``"ray_print_logs"`` handler of Ray's private
-``global_worker_stdstream_dispatcher``, and the de-duplicators are private too. Everything private
-is looked up once, here, and if anything is missing (another Ray version, Ray Client, a Tune trial
-process, ``log_to_driver=False``) no marker is asked for and nothing is waited for: output then
-arrives as Ray delivers it.
+``global_worker_stdstream_dispatcher``, and the de-duplicators are private too; both are reached
+through :mod:`ray_lightning._ray.logs`. If anything is missing (another Ray version, Ray Client, a
+Tune trial process, ``log_to_driver=False``) no marker is asked for and nothing is waited for:
+output then arrives as Ray delivers it.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ray_lightning._ray import logs as ray_logs
+
 # Starts the marker line; "\x1b[8m" (concealed) in case a terminal ever shows one.
 _MARKER = "\x1b[8mray_lightning-end-of-call "
-_PRINTER = "ray_print_logs"
 
 
 def end_of_output(marker: str | None) -> None:
@@ -57,7 +58,8 @@ class OutputSync:
 
     def new_marker(self) -> str | None:
         """A marker for one call, or None where the markers cannot be noticed (then none is written)."""
-        return f"{uuid.uuid4().hex}" if _install(self._handle) else None
+        installed = ray_logs.wrap_output_printer(lambda printer: _wrap(printer, self._handle))
+        return f"{uuid.uuid4().hex}" if installed else None
 
     def wait(self, markers: Iterable[str], timeout_s: float) -> bool:
         """Wait until every marker arrived on stdout and stderr, at most ``timeout_s``; whether they all did."""
@@ -82,63 +84,18 @@ class OutputSync:
         rest = [line for line in lines if _MARKER not in line]
         if rest:
             printer({**data, "lines": rest})
-        _flush_deduplicated()
+        ray_logs.flush_deduplicated_output()  # so that none of them comes after the call
         with self._changed:
             for marker in markers:
                 self._seen.setdefault(marker, set()).add(bool(data.get("is_err")))
             self._changed.notify_all()
 
 
-def _dispatcher() -> Any:
-    """Ray's private dispatcher of forwarded worker output, or None where this process prints none."""
-    import ray
-
-    if ray.util.client.ray.is_connected():
-        return None
-    try:
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher
-    except ImportError:
-        return None
-    return global_worker_stdstream_dispatcher
-
-
-def _install(handle: Callable[[dict[str, Any], Callable], None]) -> bool:
-    """Wrap Ray's printer (once per Ray session) so ``handle`` sees each batch first; False if there is none."""
-    dispatcher = _dispatcher()
-    lock, handlers = getattr(dispatcher, "_lock", None), getattr(dispatcher, "handlers", None)
-    if lock is None or not isinstance(handlers, list):
-        return False
-    with lock:
-        for i, (name, printer) in enumerate(dispatcher.handlers):
-            if name != _PRINTER:
-                continue
-            if getattr(printer, "_ray_lightning", False):
-                return True
-            wrapped = _wrap(printer, handle)
-            dispatcher.handlers = [*dispatcher.handlers[:i], (name, wrapped), *dispatcher.handlers[i + 1 :]]
-            return True
-    return False
-
-
 def _wrap(printer: Callable, handle: Callable) -> Callable:
     def print_logs(data: dict[str, Any]) -> None:
         handle(data, printer)
 
-    print_logs._ray_lightning = True  # type: ignore[attr-defined]
     return print_logs
-
-
-def _flush_deduplicated() -> None:
-    """Print the lines Ray's de-duplication holds back (as ``ray.shutdown`` does), so none comes after the call."""
-    try:
-        from ray._private import worker
-    except ImportError:
-        return
-    with contextlib.suppress(Exception):
-        ignore_prefix = worker._should_ignore_worker_log_prefix(worker.global_worker)
-        for deduplicator, sink in ((worker.stdout_deduplicator, sys.stdout), (worker.stderr_deduplicator, sys.stderr)):
-            for batch in deduplicator.flush():
-                worker.print_worker_logs(batch, sink, ignore_prefix)
 
 
 output_sync = OutputSync()

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import pytorch_lightning as pl
 
 
-class PredictionRecorder(*namespaces.bases("callbacks.BasePredictionWriter")):
+class PredictionRecorder(*namespaces.every("callbacks.BasePredictionWriter")):
     """Added to each worker's Trainer while predicting: keeps every batch's prediction with its dataset indices.
 
     Nothing is kept with ``trainer.predict(..., return_predictions=False)``.

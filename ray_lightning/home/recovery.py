@@ -51,10 +51,10 @@ if TYPE_CHECKING:
 EPOCH = "epoch boundary"
 
 
-class RecoveryCheckpoints(*namespaces.bases("callbacks.Checkpoint")):
+class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
     """Sends recovery checkpoints to the driver: added to rank 0's Trainer by the worker.
 
-    A ``Checkpoint`` callback of every installed Lightning namespace (:func:`ray_lightning.namespaces.bases`).
+    A ``Checkpoint`` callback of every installed Lightning namespace (:func:`ray_lightning.namespaces.every`).
     """
 
     def __init__(self, every_n_steps: int | None, staging: str | None, collective: bool = False) -> None:
@@ -133,7 +133,7 @@ class RecoveryCheckpoints(*namespaces.bases("callbacks.Checkpoint")):
         self._random_states_due = True
 
 
-class RestoreRandomStates(*namespaces.bases("callbacks.Callback")):
+class RestoreRandomStates(*namespaces.every("callbacks.Callback")):
     """In every rank of a restarted fit: the random generators as they were after the checkpoint, at the first step.
 
     Lightning's checkpoints hold no random state. Every rank gets rank 0's, which is every rank's

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from torch import Tensor
 from torch.optim import Optimizer
+
+from ray_lightning import _torch
 
 
 def writable(tensor: Tensor) -> Tensor:
@@ -32,12 +33,4 @@ def retarget_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
     watches ``optimizer.step``) from warning on every run.
     """
     scheduler.optimizer = optimizer
-    step = optimizer.step
-
-    @functools.wraps(step)
-    def counted_step(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]  # what torch's own wrapper records
-        return step(*args, **kwargs)
-
-    counted_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = counted_step  # type: ignore[method-assign]
+    _torch.count_steps_for_schedulers(optimizer)

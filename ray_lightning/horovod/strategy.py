@@ -21,7 +21,7 @@ Horovod's linear-scaling rule.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -31,20 +31,20 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ray_lightning import _lightning, namespaces, runtime
-from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, resolve_worker_resources, worker_layout
-from ray_lightning.environment import RayEnvironment
+from ray_lightning.config.workers import WorkerSpec
 from ray_lightning.horovod.hvd import import_horovod_torch, init_horovod
 from ray_lightning.horovod.optim import horovod_op, retarget_scheduler, writable
 from ray_lightning.horovod.rendezvous import HorovodRendezvous
 from ray_lightning.launch.rendezvous import Rendezvous
-from ray_lightning.strategies.accelerator import HorovodRayAccelerator
-from ray_lightning.strategies.workers import RayWorkersMixin
+from ray_lightning.strategies import accelerator
+from ray_lightning.strategies.ddp import RayAccelerator
+from ray_lightning.strategies.workers import RayWorkersMixin, worker_arguments
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
 
-class _HorovodRayStrategy(RayWorkersMixin):
+class HorovodRayStrategy(RayWorkersMixin):
     """Horovod data-parallel training across Ray actors.
 
     Args:
@@ -73,41 +73,35 @@ class _HorovodRayStrategy(RayWorkersMixin):
         trainer.fit(model)  # weights, metrics and the best checkpoint are back here afterwards
     """
 
-    strategy_name = "horovod_ray"
-    accelerator_class = HorovodRayAccelerator
+    registry_name = "horovod_ray"
+    lightning_base = "strategies.ParallelStrategy"
 
-    def __init__(
-        self,
-        num_workers: int | None = None,
-        num_hosts: int | None = None,
-        num_slots: int | None = None,
-        num_cpus_per_worker: float = 1,
-        use_gpu: bool = False,
-        resources_per_worker: Mapping[str, float] | None = None,
-        init_hook: Callable[[], Any] | None = None,
-        *,
-        placement_timeout_s: float | None = None,
-        worker_start_timeout_s: float | None = None,
-        keep_workers_alive_s: float | None = None,
-        progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
-        scale_up_timeout_s: float | None = None,
-        max_failures: int | None = None,
-        recovery_checkpoint_every_n_steps: int | None = None,
-    ) -> None:
-        workers, hosts = worker_layout(num_workers, num_hosts, num_slots)
-        resources = resolve_worker_resources(workers, num_cpus_per_worker, use_gpu, resources_per_worker, hosts)
+    @worker_arguments(defaults={"num_workers": None})
+    def __init__(self, num_hosts: int | None = None, num_slots: int | None = None) -> None:
         # Fail here, on the driver, rather than in every worker.
         import_horovod_torch()
-        self.keep_init_arguments(locals(), {})
-        self.init_workers_from(resources, locals())
-        super().__init__(cluster_environment=namespaces.sibling(RayEnvironment, self.namespace)(workers))
+        super().__init__(cluster_environment=None)
         self._failed = False
+
+    @classmethod
+    @override
+    def worker_spec(cls, shared: dict[str, Any], own: dict[str, Any]) -> WorkerSpec:
+        # num_workers, or num_hosts x num_slots: the workers per host go onto different nodes.
+        workers, hosts = worker_layout(shared.pop("num_workers"), own["num_hosts"], own["num_slots"])
+        return WorkerSpec.resolve(workers, **shared, num_hosts=hosts)
 
     @property
     @override
     def rendezvous(self) -> Rendezvous:
         """horovod.ray's Gloo rendezvous server, opened by rank 0."""
         return HorovodRendezvous()
+
+    @property
+    @override
+    def collective_errors(self) -> tuple[type[BaseException], ...]:
+        from horovod.common.exceptions import HorovodInternalError
+
+        return (HorovodInternalError,)
 
     @property
     def num_hosts(self) -> int | None:
@@ -165,7 +159,7 @@ class _HorovodRayStrategy(RayWorkersMixin):
         assert module is not None
         hvd.broadcast_parameters(module.state_dict(), root_rank=0)
         wrapper = namespaces.every("core.optimizer.LightningOptimizer")
-        optimizers = [o._optimizer if isinstance(o, wrapper) else o for o in self.optimizers]
+        optimizers = [o.optimizer if isinstance(o, wrapper) else o for o in self.optimizers]
         wrapped = [self._wrap(optimizer, hvd, trainer.accumulate_grad_batches) for optimizer in optimizers]
         for old, new in zip(optimizers, wrapped):
             state = old.state_dict()
@@ -287,7 +281,66 @@ class _HorovodRayStrategy(RayWorkersMixin):
             torch.cuda.empty_cache()
 
 
-HorovodRayStrategy = namespaces.family(_HorovodRayStrategy, "strategies.ParallelStrategy", __name__)
-namespaces.register(
-    HorovodRayStrategy, "strategies.StrategyRegistry", "horovod_ray", "Horovod on Ray actors (ray_lightning)"
-)
+class HorovodRayAccelerator(RayAccelerator):
+    """Train on Ray actors with Horovod: the classic form of :class:`HorovodRayStrategy`.
+
+    Args:
+        num_workers: number of training processes, packed onto as few nodes as the cluster allows.
+        num_hosts: number of different nodes to train on (instead of ``num_workers``).
+        num_slots: workers on each of those nodes.
+        cpus_per_worker: CPUs reserved for each worker.
+        use_gpu: reserve one GPU per worker and train on CUDA.
+        **strategy_kwargs: any other :class:`~ray_lightning.HorovodRayStrategy` argument.
+
+    Example::
+
+        trainer = pl.Trainer(max_epochs=2, accelerator=HorovodRayAccelerator(num_hosts=2, num_slots=4, use_gpu=True))
+        trainer.fit(model)
+    """
+
+    strategy_class = HorovodRayStrategy
+
+    def __init__(
+        self,
+        num_workers: int | None = None,
+        num_hosts: int | None = None,
+        num_slots: int | None = None,
+        cpus_per_worker: float = 1,
+        use_gpu: bool = False,
+        **strategy_kwargs: Any,
+    ) -> None:
+        super().__init__(
+            num_workers=num_workers,  # type: ignore[arg-type]
+            cpus_per_worker=cpus_per_worker,
+            use_gpu=use_gpu,
+            num_hosts=num_hosts,
+            num_slots=num_slots,
+            **strategy_kwargs,
+        )
+
+
+def worker_layout(num_workers: Any, num_hosts: Any, num_slots: Any) -> tuple[int, int | None]:
+    """``(number of workers, number of hosts or None)`` from the three ways of saying how many.
+
+    ``num_workers`` alone lets Ray pack the workers; ``num_hosts`` and/or ``num_slots`` put
+    ``num_slots`` workers on each of ``num_hosts`` different nodes (a missing one counts as 1).
+    """
+    for name, value in (("num_workers", num_workers), ("num_hosts", num_hosts), ("num_slots", num_slots)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int >= 1, got {value!r}.")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value!r}.")
+    if num_workers is not None and (num_hosts is not None or num_slots is not None):
+        raise ValueError(
+            "Give either num_workers (Ray packs the workers onto as few nodes as it can) or "
+            "num_hosts/num_slots (num_slots workers on each of num_hosts nodes), not both."
+        )
+    if num_hosts is None and num_slots is None:
+        return (num_workers or 1), None
+    hosts, slots = num_hosts or 1, num_slots or 1
+    return hosts * slots, hosts
+
+
+accelerator.register(HorovodRayAccelerator, "Horovod on Ray actors")

@@ -5,8 +5,9 @@ that can (a ``ray up`` cluster whose GPU workers have ``min_workers: 0``). :func
 reads the node types through Ray's own state, first what an autoscaler v2 deployment (KubeRay)
 stores in the GCS, else the autoscaling config the head's monitor process was started with
 (autoscaler v1: ``ray up``, ``ray start --autoscaling-config``); :func:`read_report` reads what it
-is launching and what failed. Ray has no public API for either: every read is bounded and a
-failure means "unknown", never an error of its own.
+is launching and what failed. Ray has no public API for either (the private reads are in
+:mod:`ray_lightning._ray`): every read is bounded and a failure means "unknown", never an error
+of its own.
 
 Decisions: what a node type could hold is decided by pure functions (:func:`bundles_per_node`,
 :func:`added_capacity`) on plain dicts, so they are tested without Ray. Memory and object store
@@ -28,14 +29,14 @@ from typing import Any
 
 import ray
 
-from ray_lightning.config import describe_totals, fmt_amount
+from ray_lightning._ray import kv
+from ray_lightning._ray import state as ray_state
+from ray_lightning.config.display import describe_totals, fmt_amount
 
 # How long reading what the autoscaler launches may take: a task on the head node, whose first
 # worker process may need to start (10 s on a busy 2-core head).
 READ_TIMEOUT_S = 30.0
 _GCS_TIMEOUT_S = 5
-# The monitor processes that run an autoscaler (v1, v2) on the head node.
-_MONITOR_SCRIPTS = ("autoscaler/_private/monitor.py", "autoscaler/v2/monitor.py")
 HEAD_RESOURCE = "node:__internal_head__"
 # Resources Ray sizes from the machine, which node types usually leave out.
 _SIZED_BY_MACHINE = ("memory", "object_store_memory")
@@ -162,7 +163,7 @@ def node_types_from_config(config: Mapping[str, Any]) -> tuple[tuple[NodeType, .
 
 def monitor_arguments(cmdline: Sequence[str]) -> dict[str, str] | None:
     """``--gcs-address`` and ``--autoscaling-config`` of an autoscaler monitor's command line, else None."""
-    if not any(arg.replace(os.sep, "/").endswith(_MONITOR_SCRIPTS) for arg in cmdline):
+    if not any(arg.replace(os.sep, "/").endswith(ray_state.MONITOR_SCRIPTS) for arg in cmdline):
         return None
     found: dict[str, str] = {}
     for index, arg in enumerate(cmdline):
@@ -207,7 +208,7 @@ def report_from_v2_reply(reply: Any, pg_id_hex: str | None) -> AutoscalerReport:
     )
     running: dict[str, int] = {}
     for node in reply.cluster_resource_state.node_states:
-        if node.ray_node_type_name and node.status in (1, 3):  # RUNNING, IDLE
+        if node.ray_node_type_name and ray_state.node_is_up(node):
             running[node.ray_node_type_name] = running.get(node.ray_node_type_name, 0) + 1
     return AutoscalerReport(True, tuple(pending), tuple(failed), infeasible, running)
 
@@ -246,12 +247,8 @@ def read_report(version: str, pg_id_hex: str | None = None) -> AutoscalerReport:
     """What the autoscaler reports now (an unknown report when it cannot be read)."""
     try:
         if version == "v2":
-            from ray.core.generated.autoscaler_pb2 import GetClusterStatusReply
-
-            reply = GetClusterStatusReply()
-            reply.ParseFromString(_gcs_client().get_cluster_status(timeout_s=_GCS_TIMEOUT_S))
-            return report_from_v2_reply(reply, pg_id_hex)
-        status = _kv_json("__autoscaling_status")
+            return report_from_v2_reply(ray_state.cluster_status(timeout_s=_GCS_TIMEOUT_S), pg_id_hex)
+        status = kv.autoscaling_status()
         return report_from_v1_status(status) if status else AutoscalerReport()
     except Exception:  # noqa: BLE001 - Ray's internal status: unreadable means unknown
         return AutoscalerReport()
@@ -263,11 +260,9 @@ def _version() -> str | None:
     Without one, Ray still runs a read-only monitor, whose status names nodes ``node_<id>``.
     """
     try:
-        from ray.experimental.internal_kv import _internal_kv_get
-
-        if _internal_kv_get("__autoscaler_v2_enabled", namespace="__autoscaler") == b"1":
+        if kv.autoscaler_v2_enabled():
             return "v2"
-        status = _kv_json("__autoscaling_status") or {}
+        status = kv.autoscaling_status() or {}
         report = status.get("autoscaler_report") or {}
         kinds = [*(report.get("node_type_mapping") or {}).values(), *(report.get("active_nodes") or {})]
         real = [kind for kind in kinds if not str(kind).startswith("node_")]
@@ -279,9 +274,7 @@ def _version() -> str | None:
 def _from_gcs_cluster_config() -> Autoscaler | None:
     """The node groups an autoscaler v2 deployment (KubeRay) stored in the GCS, if any."""
     try:
-        from ray._private.state import state
-
-        config = state.get_cluster_config()
+        config = ray_state.cluster_config()
         if config is None or not config.node_group_configs:
             return None
         types = tuple(
@@ -349,14 +342,3 @@ def _load_config(path: str) -> dict | None:
 
         loaded = yaml.safe_load(text)
         return loaded if isinstance(loaded, dict) else None
-
-
-def _gcs_client() -> Any:
-    return ray._private.worker.global_worker.gcs_client
-
-
-def _kv_json(key: str) -> dict | None:
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    raw = _internal_kv_get(key)
-    return json.loads(raw) if raw else None

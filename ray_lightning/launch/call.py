@@ -93,9 +93,10 @@ class WorkerCall:
             _add_recovery(trainer, context, staging)
             self._strategy = strategy = trainer.strategy
             strategy.attach_worker(context, self._store)
-            if strategy.init_hook is not None:
+            init_hook = strategy.workers.init_hook
+            if init_hook is not None:
                 runtime.mark_progress("init_hook", startup=True)
-                strategy.init_hook()
+                init_hook()
             recorder = None
             if trainer.state.fn == namespaces.PREDICTING:
                 recorder = PredictionRecorder()

@@ -12,13 +12,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ray_lightning.config import FORWARDED_ENV_PREFIXES, NOT_FORWARDED_ENV
+from ray_lightning.config.variables import NOT_FORWARDED_ENV
 from ray_lightning.environment import WorkerRank, assign_cuda_devices, shares_a_gpu
 from ray_lightning.home.files import StagingArea
 from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.rendezvous import RendezvousPoint
 from ray_lightning.launch.session import driver_sys_path
 from ray_lightning.runtime import CheckpointFile, RecoveryPlan, TorchFlags, WorkerContext
+
+# Environment variables of the driver that Lightning reads in the workers (seed, deterministic flags),
+# and those of the loggers rank 0 runs (WANDB_MODE, WANDB_API_KEY, MLFLOW_ALLOW_FILE_STORE, COMET_...),
+# as Lightning's DDP processes inherit them.
+FORWARDED_ENV_PREFIXES = ("PL_", "CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED", "WANDB_", "MLFLOW_", "COMET_")
 
 
 @dataclass(frozen=True)

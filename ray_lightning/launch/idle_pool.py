@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from ray_lightning.config import REUSE_CHECK_TIMEOUT_S
-
 if TYPE_CHECKING:
-    from ray_lightning.config import WorkerResources
+    from ray_lightning.config.resources import WorkerResources
     from ray_lightning.launch.worker_group import WorkerGroup
+
+# How long a kept worker may take to say whether it can run another call before a fresh one replaces it.
+REUSE_CHECK_TIMEOUT_S = 30.0
 
 _lock = threading.Lock()
 _idle: tuple[WorkerResources, WorkerGroup, threading.Timer] | None = None

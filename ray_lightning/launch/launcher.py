@@ -5,16 +5,15 @@ For every ``fit``/``validate``/``test``/``predict`` it
 1. connects to Ray (a local one is started if none is running) (:mod:`.session`),
 2. puts the Trainer, the module and the arguments into the object store once (:mod:`.payload`),
 3. takes the workers the last call of this process left waiting, if they match (:mod:`.idle_pool`);
-   otherwise checks that the cluster (with what its autoscaler can add) can hold the request and
-   reserves it (:mod:`.placement`, waiting at most ``placement_timeout_s``, or ``scale_up_timeout_s``
-   while the autoscaler adds nodes), and starts one actor per worker (:mod:`.worker_group`),
-4. learns where each worker landed, has rank 0 open the rendezvous the strategy asks for, and gives
-   each worker its rank, device and environment (:mod:`.contexts`),
-5. waits for all of them without polling, meanwhile running what rank 0 sends to the driver (the
-   progress bar, Tune reports); the first failure stops the group and is raised with its rank and
-   traceback (:mod:`.poll`). With ``max_failures``, a failure a restart can fix (a lost worker or
-   node, a preemption) starts the workers again from rank 0's newest recovery checkpoint instead
-   (:mod:`.recovery`),
+   otherwise reserves the request, waiting while the autoscaler adds nodes (:mod:`.placement`), and
+   starts one actor per worker (:mod:`.worker_group`),
+4. runs an *attempt* (:meth:`RayLauncher._attempt`): learns where each worker landed, has rank 0 open
+   the rendezvous the strategy asks for, gives each worker its rank, device and environment
+   (:mod:`.contexts`), and waits for all of them without polling, meanwhile running what rank 0 sends
+   to the driver (the progress bar, Tune reports) (:mod:`.poll`). An attempt returns one
+   :class:`Attempt`: its outputs, or the :class:`~.failures.Failure` that ended it,
+5. after a failure, :func:`~.failures.decide` says whether the workers start again (``max_failures``),
+   from rank 0's newest recovery checkpoint (:mod:`.recovery`), or the failure is raised,
 6. copies rank 0's results and files onto the driver's Trainer (:mod:`ray_lightning.home`), and the
    weights the workers still hold, asking for them a chunk at a time (:func:`weight_chunks`),
 7. leaves the workers waiting for the next call (``keep_workers_alive_s``), or stops them.
@@ -25,8 +24,8 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -35,7 +34,6 @@ from typing_extensions import override
 
 from ray_lightning import _lightning, namespaces
 from ray_lightning.channel.worker_output import output_sync
-from ray_lightning.config import SALVAGE_WAIT_S
 from ray_lightning.errors import RayWorkerError, WorkerDiedError, WorkerHangError
 from ray_lightning.home import files, loggers
 from ray_lightning.home.predictions import merge_predictions
@@ -49,14 +47,14 @@ from ray_lightning.launch.contexts import (
     nodes_by_rank,
     progress_interval,
 )
+from ray_lightning.launch.failures import Decision, Failure, classify, decide
 from ray_lightning.launch.payload import check_checkpoint_exists, checkpoint_argument, checkpoint_files, put_payload
-from ray_lightning.launch.placement import TrialPlacement, reserve_own_placement
+from ray_lightning.launch.placement import OwnPlacement, TrialPlacement
 from ray_lightning.launch.protocol import LaunchedStrategy
 from ray_lightning.launch.recovery import Recovery
-from ray_lightning.launch.session import driver_node_id, ensure_ray_initialized
+from ray_lightning.launch.session import alive_node_ids, driver_node_id, ensure_ray_initialized
 from ray_lightning.launch.watchdog import Watchdog
 from ray_lightning.launch.worker_group import WorkerGroup
-from ray_lightning.runtime import WorkerContext
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -67,24 +65,52 @@ log = logging.getLogger(__name__)
 # 0.1 s; more only on a machine too busy to forward it), and after a worker raised.
 _OUTPUT_WAIT_S = 10.0
 _FAILED_OUTPUT_WAIT_S = 3.0
+# After a worker died, how long a restart waits for the others to come out of the broken call (and
+# answer that they can run the next one) before it replaces them too.
+SALVAGE_WAIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One run of a call on one worker group: its outputs (actor order), or the failure that ended it.
+
+    ``nodes``: where each global rank ran; ``staging``: where rank 0 wrote its files, when it ran off
+    the driver's machine.
+    """
+
+    group: WorkerGroup
+    outputs: list[WorkerOutput | None] | None = None
+    nodes: Mapping[int, NodeInfo] = field(default_factory=dict)
+    staging: files.StagingArea | None = None
+    failure: Failure | None = None
+
+
+@dataclass
+class _Call:
+    """What one ``fit``/``test``/... keeps on the driver across its attempts (never sent to the workers)."""
+
+    payload: ray.ObjectRef
+    checkpoint: str | None  # the ckpt_path file on this machine, if any
+    recovery: Recovery
+    scope: files.WriteScope  # where the files rank 0 sends back may land
+    seed_directories: list[str]  # where this call's own logs and checkpoints go
 
 
 class RayLauncher(*_lightning.launcher_bases()):
-    """Runs a Trainer function on Ray actors; see the module docstring for the steps."""
+    """Runs a Trainer function on Ray actors; see the module docstring for the steps.
+
+    Only the strategy travels with it to the workers (:meth:`__reduce__`): what a call keeps on the
+    driver lives in the call (``_Call``, :class:`Attempt`), never on the launcher.
+    """
 
     def __init__(self, strategy: LaunchedStrategy) -> None:
         self._strategy = strategy
-        # The group of an attempt whose worker died, until the restart decides what to keep of it.
-        self._broken: WorkerGroup | None = None
-        self._group: WorkerGroup | None = None
-        # Where rank 0 stages its files while a call whose rank 0 is off the driver's machine runs.
-        self._staging: files.StagingArea | None = None
-        self._scope = files.WriteScope()
-        self._seed_directories: list[str] = []
-        # Where each rank of the running attempt is: the driver names the node of a failed rank.
-        self._nodes: dict[int, NodeInfo] = {}
+        self._running: WorkerGroup | None = None  # the group of the attempt under way, for kill()
         # Files the last launch copied from rank 0's node onto the driver's machine.
         self.transferred_files: list[str] = []
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self._strategy,)
 
     @property
     @override
@@ -98,165 +124,176 @@ class RayLauncher(*_lightning.launcher_bases()):
         ensure_ray_initialized()
         check_checkpoint_exists(function, args, kwargs)
         if trainer is not None:
-            _fix_output_locations(trainer)
-        # Where the files rank 0 sends back may land, as the driver has it now.
-        self._scope = files.WriteScope.of(trainer, loggers.output_directories(trainer) if trainer else ())
-        self._seed_directories = _seed_directories(trainer)
-        checkpoint = checkpoint_argument(function, args, kwargs, trainer)
-        payload = put_payload(trainer, function, args, kwargs)
-        recovery = Recovery(self._strategy.recovery, self._scope, self._strategy.restarts)
+            # Where rank 0 writes and which logger runs it continues (home.loggers).
+            loggers.prepare_on_driver(trainer)
+        scope = files.WriteScope.of(trainer, loggers.output_directories(trainer) if trainer else ())
+        call = _Call(
+            checkpoint=checkpoint_argument(function, args, kwargs, trainer),
+            seed_directories=_seed_directories(trainer),
+            payload=put_payload(trainer, function, args, kwargs),
+            recovery=Recovery(self._strategy.workers.recovery, scope, self._strategy.restarts),
+            scope=scope,
+        )
         self.transferred_files = []
         try:
-            outputs, group = self._attempts(payload, checkpoint, recovery)
+            attempt = self._attempts(call)
             try:
                 # The workers stay until their results are home: they hold the weights' chunks.
-                return self._bring_home(group, outputs, trainer, recovery)
+                return self._bring_home(attempt, trainer, call)
             finally:
-                self._release(group)
+                self._release(attempt.group)
         finally:
-            recovery.close()
+            self._running = None
+            call.recovery.close()
 
-    def _attempts(
-        self, payload: ray.ObjectRef, checkpoint: str | None, recovery: Recovery
-    ) -> tuple[list[WorkerOutput | None], WorkerGroup]:
-        """Run the call until it succeeds, restarting its workers after failures a restart can fix."""
-        salvaged: WorkerGroup | None = None
+    def _attempts(self, call: _Call) -> Attempt:
+        """Attempts of the call until one succeeds, or a failure no restart follows is raised."""
+        group = self._acquire_group()
         while True:
+            attempt = self._attempt(group, call)
+            if attempt.failure is None:
+                return attempt
+            decision = decide(attempt.failure, len(call.recovery.restarts), call.recovery.settings.max_failures)
+            group = self._after_failure(attempt, decision, call)
+
+    def _after_failure(self, attempt: Attempt, decision: Decision, call: _Call) -> WorkerGroup:
+        """Raise the failure, or return the group the next attempt runs on."""
+        failure = attempt.failure
+        assert failure is not None
+        if not decision.keep_processes:
+            attempt.group.shutdown()
+        if attempt.staging is not None:
+            self._fetch_staged_files(attempt.staging, call)
+        if not decision.restart:
+            final = call.recovery.final_error(failure.error)
+            raise final from failure.error.__cause__
+        call.recovery.record_restart(failure)
+        if decision.keep_processes:
+            # A worker process died: the others' processes go on where they can (launch.worker_group).
             try:
-                group, salvaged = salvaged or self._acquire_group(), None
-                return self._run(group, payload, recovery.checkpoint(checkpoint), recovery), group
-            except BaseException as error:
-                broken, self._broken = self._broken, None
-                if not recovery.restart_after(error, self._nodes):
-                    if broken is not None:
-                        broken.shutdown()
-                    final = recovery.final_error(error)
-                    if final is error:
-                        raise
-                    raise final from error.__cause__
-                if broken is not None:
-                    # A worker process died: the others' processes go on where they can (launch.worker_group).
-                    try:
-                        salvaged = broken.salvage(SALVAGE_WAIT_S)
-                    except BaseException:
-                        broken.shutdown()
-                        raise
+                salvaged = attempt.group.salvage(SALVAGE_WAIT_S)
+            except BaseException:
+                attempt.group.shutdown()
+                raise
+            if salvaged is not None:
+                return salvaged
+        return self._acquire_group()
 
     @override
     def kill(self, signum: Any) -> None:
-        if self._group is not None:
-            self._group.shutdown()
+        if self._running is not None:
+            self._running.shutdown()
 
     def _acquire_group(self) -> WorkerGroup:
         """The workers for this call: a Tune trial's bundles, the last call's idle workers, or new ones."""
-        strategy = self._strategy
-        request = strategy.resources
+        workers = self._strategy.workers
+        request, timeouts = workers.resources, workers.timeouts
         enclosing = get_current_placement_group()
         if enclosing is not None:
             # After a node loss, the trial's lost bundles are placed again (maybe on a node the autoscaler adds).
-            wait_s = max(strategy.placement_timeout_s, strategy.scale_up_timeout_s)
+            wait_s = max(timeouts.placement_s, timeouts.scale_up_s)
             return WorkerGroup.start(TrialPlacement.within(enclosing, request, wait_s), request)
         group = idle_pool.take(request)
         if group is None:
-            say = namespaces.of(strategy).pl("utilities.rank_zero.rank_zero_info")
-            placement = reserve_own_placement(request, strategy.placement_timeout_s, strategy.scale_up_timeout_s, say)
+            say = namespaces.of(self._strategy).pl("utilities.rank_zero.rank_zero_info")
+            placement = OwnPlacement.reserve(request, timeouts.placement_s, timeouts.scale_up_s, say)
             group = WorkerGroup.start(placement, request)
         return group
 
-    def _run(
-        self, group: WorkerGroup, payload: ray.ObjectRef, checkpoint: str | None, recovery: Recovery
-    ) -> list[WorkerOutput | None]:
-        strategy = self._strategy
-        self._group, self._staging, self._nodes = group, None, {}
-        succeeded = False
+    def _attempt(self, group: WorkerGroup, call: _Call) -> Attempt:
+        """Run the call once on ``group``; a failure is returned, not raised (Ctrl-C stops the group and is raised)."""
+        timeouts = self._strategy.workers.timeouts
+        self._running = group
+        nodes: dict[int, NodeInfo] = {}
+        staging: files.StagingArea | None = None
+        channel, settings = None, CallSettings()
         try:
             channel = group.channel()
-            channel.on_object = recovery.receive
-            call = CallSettings(
+            channel.on_object = call.recovery.receive
+            settings = CallSettings(
                 channel.queue,
-                progress_interval(strategy.worker_start_timeout_s, strategy.progress_timeout_s),
+                progress_interval(timeouts.start_s, timeouts.progress_s),
                 output_sync.new_marker(),
                 # Every rank of a sharded strategy writes its part of each checkpoint.
-                files.new_staging_name() if getattr(strategy, "every_rank_writes", False) else None,
+                files.new_staging_name() if getattr(self._strategy, "every_rank_writes", False) else None,
             )
-            contexts = self._contexts(group, call, checkpoint, recovery)
-            watchdog = Watchdog(
-                [r.global_rank for r in group.ranks],
-                group.infos,
-                strategy.progress_timeout_s,
-                strategy.worker_start_timeout_s,
-            )
-            try:
-                outputs = group.run(payload, contexts, channel, watchdog)
-            except RayWorkerError as error:
-                if recovery.enabled:
-                    _take_last_checkpoint(channel)
-                if isinstance(error, WorkerDiedError) and recovery.enabled:
-                    self._broken = group  # the restart keeps what it can of it
-                if not isinstance(error, (WorkerHangError, WorkerDiedError)):
-                    # A stuck rank writes no marker, nor does a dead one.
-                    _wait_for_output(call, [error.rank], _FAILED_OUTPUT_WAIT_S)
-                raise
+            infos = group.node_infos(timeouts.start_s)
+            nodes = {r.global_rank: info for r, info in zip(group.ranks, infos)}
+            staging = _staging_area(nodes)
+            contexts = self._contexts(group, infos, staging, settings, call)
+            watchdog = Watchdog([r.global_rank for r in group.ranks], infos, timeouts.progress_s, timeouts.start_s)
+            outputs = group.run(call.payload, contexts, channel, watchdog, stop=call.recovery.stop_for_preemption)
             channel.run_remaining()
-            _wait_for_output(call, [r.global_rank for r in group.ranks], _OUTPUT_WAIT_S)
-            succeeded = True
-        finally:
-            self._group = None
-            if not succeeded and self._broken is not group:
-                group.shutdown()
-                if self._staging is not None:
-                    recovery.synced.update(self._fetch_staged_files())
-        return outputs
+            _wait_for_output(settings, [r.global_rank for r in group.ranks], _OUTPUT_WAIT_S)
+            return Attempt(group, outputs, nodes, staging)
+        except Exception as error:  # noqa: BLE001 - every failure becomes the attempt's record, decided on next
+            if isinstance(error, RayWorkerError) and channel is not None:
+                self._after_worker_error(error, channel, settings, call)
+            failure = classify(error, nodes, alive_node_ids(), self._strategy.collective_errors)
+            return Attempt(group, None, nodes, staging, failure)
+        except BaseException:
+            group.shutdown()
+            raise
+
+    def _after_worker_error(self, error: RayWorkerError, channel: Any, settings: CallSettings, call: _Call) -> None:
+        """What arrives after a worker failed: a recovery checkpoint rank 0 sent, the failed rank's output."""
+        if call.recovery.enabled:
+            _take_last_checkpoint(channel)
+        if not isinstance(error, (WorkerHangError, WorkerDiedError)):
+            # A stuck rank writes no marker, nor does a dead one.
+            _wait_for_output(settings, [error.rank], _FAILED_OUTPUT_WAIT_S)
 
     def _release(self, group: WorkerGroup) -> None:
         """After a call that succeeded: leave the workers for the next call, or stop them."""
-        strategy = self._strategy
-        if group.owns_placement and strategy.keep_workers_alive_s > 0:
-            idle_pool.keep(strategy.resources, group, strategy.keep_workers_alive_s)
+        workers = self._strategy.workers
+        keep_s = workers.timeouts.keep_alive_s
+        if group.owns_placement and keep_s > 0:
+            idle_pool.keep(workers.resources, group, keep_s)
         else:
             group.shutdown()
 
     def _contexts(
-        self, group: WorkerGroup, call: CallSettings, checkpoint: str | None, recovery: Recovery
-    ) -> list[WorkerContext]:
+        self,
+        group: WorkerGroup,
+        infos: list[NodeInfo],
+        staging: files.StagingArea | None,
+        settings: CallSettings,
+        call: _Call,
+    ) -> list[Any]:
         """Each worker's rank, device and rendezvous, from where the actors landed."""
-        timeout_s = self._strategy.worker_start_timeout_s
-        infos = group.node_infos(timeout_s)
-        self._nodes = {r.global_rank: info for r, info in zip(group.ranks, infos)}
+        timeout_s = self._strategy.workers.timeouts.start_s
         point = group.open_rendezvous(self._strategy.rendezvous, nodes_by_rank(group.ranks, infos), timeout_s)
         driver_node = driver_node_id()
-        rank_zero_node = nodes_by_rank(group.ranks, infos)[0]
-        # Rank 0 off the driver's machine writes into a staging directory on its node.
-        self._staging = files.StagingArea.new(rank_zero_node) if rank_zero_node != driver_node else None
         shipped = checkpoint_files(
-            checkpoint,
+            call.recovery.checkpoint(call.checkpoint),
             local=any(i.node_id == driver_node for i in infos),
             remote=any(i.node_id != driver_node for i in infos),
         )
         rank_zero_info = namespaces.of(self._strategy).pl("utilities.rank_zero.rank_zero_info")
-        rank_zero_info(describe_placement(self._strategy.resources.describe(), group.ranks, infos, group.calls > 0))
-        plan = recovery.plan(infos)
-        if plan is not None and self._staging is not None and recovery.restarts:
+        described = self._strategy.workers.resources.describe()
+        rank_zero_info(describe_placement(described, group.ranks, infos, group.calls > 0))
+        plan = call.recovery.plan(infos)
+        if plan is not None and staging is not None and call.recovery.restarts:
             # A restarted rank 0 that stages starts from what this call wrote so far (logs it appends to).
-            plan = replace(plan, seed=ray.put(recovery.seed_files(self._seed_directories)))
-        return build_contexts(group.ranks, infos, point, driver_node, self._staging, shipped, call, plan)
+            plan = replace(plan, seed=ray.put(call.recovery.seed_files(call.seed_directories)))
+        return build_contexts(group.ranks, infos, point, driver_node, staging, shipped, settings, plan)
 
-    def _bring_home(
-        self, group: WorkerGroup, outputs: list[WorkerOutput | None], trainer: pl.Trainer | None, recovery: Recovery
-    ) -> Any:
+    def _bring_home(self, attempt: Attempt, trainer: pl.Trainer | None, call: _Call) -> Any:
+        outputs = attempt.outputs or []
         rank_zero = next(o for o in outputs if o is not None and o.trainer_state is not None)
         if trainer is None:
             return rank_zero.results
-        written = apply_to_driver(trainer, rank_zero, self._scope, weight_chunks(group.actors, outputs))
+        written = apply_to_driver(trainer, rank_zero, call.scope, weight_chunks(attempt.group.actors, outputs))
         for output in outputs:
             if output is not None and output is not rank_zero and output.files:
                 # Other ranks' parts of sharded checkpoints, beside rank 0's.
-                written += files.write(output.files, self._scope.with_checkpoints(rank_zero.callback_states))
+                written += files.write(output.files, call.scope.with_checkpoints(rank_zero.callback_states))
+        synced = call.recovery.synced
         if rank_zero.staged:
             # What rank 0 mirrored here during the call and no longer had at its end, it removed.
-            files.remove(recovery.synced - set(rank_zero.files), self._scope)
-        self.transferred_files = sorted((set(self.transferred_files) | recovery.synced | set(written)) - {""})
-        self.transferred_files = [p for p in self.transferred_files if os.path.isfile(p)]
+            files.remove(synced - set(rank_zero.files), call.scope)
+        transferred = (set(self.transferred_files) | synced | set(written)) - {""}
+        self.transferred_files = sorted(p for p in transferred if os.path.isfile(p))
         if self.transferred_files:
             log.info("ray_lightning: copied %s from rank 0's node to this machine", ", ".join(self.transferred_files))
         if trainer.state.fn == namespaces.PREDICTING:
@@ -266,26 +303,23 @@ class RayLauncher(*_lightning.launcher_bases()):
             return merge_predictions(per_rank, rank_zero.num_predict_dataloaders)
         return rank_zero.results
 
-    def _fetch_staged_files(self) -> list[str]:
+    def _fetch_staged_files(self, area: files.StagingArea, call: _Call) -> None:
         """After a failure: copy what rank 0 had written on its node (checkpoints, logs) to the driver."""
-        assert self._staging is not None
-        area, self._staging = self._staging, None
         try:
-            written = files.fetch_after_failure(area, self._strategy.worker_start_timeout_s, self._scope)
+            written = files.fetch_after_failure(area, self._strategy.workers.timeouts.start_s, call.scope)
         except Exception as error:  # noqa: BLE001 - the node may be gone; the failure itself is what matters
             log.warning("ray_lightning: could not fetch the files rank 0 wrote before the failure: %s", error)
-            return []
+            return
+        call.recovery.mirror(written)
         self.transferred_files = sorted(set(self.transferred_files) | set(written))
         if written:
             log.warning("ray_lightning: copied what rank 0 wrote before the failure: %s", ", ".join(written))
-        return written
 
-    def __getstate__(self) -> dict:
-        # Shipped to the workers inside the Trainer: actor handles stay on the driver.
-        state = self.__dict__.copy()
-        state["_group"] = state["_staging"] = state["_broken"] = None
-        state["_nodes"] = {}
-        return state
+
+def _staging_area(nodes: Mapping[int, NodeInfo]) -> files.StagingArea | None:
+    """Rank 0 off the driver's machine writes into a staging directory on its node."""
+    rank_zero_node = nodes[0].node_id
+    return files.StagingArea.new(rank_zero_node) if rank_zero_node != driver_node_id() else None
 
 
 def weight_chunks(actors: list[Any], outputs: list[WorkerOutput | None], in_flight: int = 2) -> Iterator[Any]:
@@ -305,15 +339,10 @@ def weight_chunks(actors: list[Any], outputs: list[WorkerOutput | None], in_flig
         yield pending.popleft()
 
 
-def _wait_for_output(call: CallSettings, ranks: list[int], timeout_s: float) -> None:
+def _wait_for_output(settings: CallSettings, ranks: list[int], timeout_s: float) -> None:
     """Until what ``ranks`` printed during the call has been printed here (bounded; see channel.worker_output)."""
-    if call.output_marker is not None and ranks:
-        output_sync.wait([call.marker_of(r) for r in ranks], timeout_s)
-
-
-def _fix_output_locations(trainer: pl.Trainer) -> None:
-    """On the driver: settle where rank 0 writes and which logger runs it continues (``home.loggers``)."""
-    loggers.prepare_on_driver(trainer)
+    if settings.output_marker is not None and ranks:
+        output_sync.wait([settings.marker_of(r) for r in ranks], timeout_s)
 
 
 def _take_last_checkpoint(channel: Any) -> None:

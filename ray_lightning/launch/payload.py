@@ -15,13 +15,15 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from ray_lightning import _lightning, namespaces
-from ray_lightning.config import REUSE_CHECK_TIMEOUT_S as _PROBE_TIMEOUT_S
 from ray_lightning.launch.session import driver_node_id
 from ray_lightning.launch.weights_out import weights_aside
 from ray_lightning.runtime import CheckpointFile
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
+
+# How long the nodes may take to say whether a ckpt_path missing here exists on them.
+_PROBE_TIMEOUT_S = 30.0
 
 
 def _given_checkpoint(function: Callable, args: tuple, kwargs: dict) -> Any:

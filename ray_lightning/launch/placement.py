@@ -1,14 +1,15 @@
 """Where the workers go: whether the cluster can ever hold them, and the placement group they run in.
 
-Each way of placing workers is a class with ``reserve``/``release`` (as horovod.ray's placement
-strategies are): :class:`OwnPlacement` reserves a placement group of its own (a bundle per
-worker, or per host with ``num_hosts``), waiting at most ``placement_timeout_s``;
-:class:`TrialPlacement` uses the bundles of the placement group the caller already runs in (a
-Ray Tune trial's, made by :func:`trial_bundles`), whose bundle 0 is the trial's own process.
+Each way of placing workers is a class (as horovod.ray's placement strategies are):
+:meth:`OwnPlacement.reserve` reserves a placement group of its own (a bundle per worker, or per
+host with ``num_hosts``), waiting at most ``placement_timeout_s``; :meth:`TrialPlacement.within`
+uses the bundles of the placement group the caller already runs in (a Ray Tune trial's, made by
+:func:`trial_bundles`), whose bundle 0 is the trial's own process. Both have ``release``.
 
-On a cluster with an autoscaler (:mod:`.autoscaler`), :func:`reserve_own_placement` also counts
+On a cluster with an autoscaler (:mod:`.autoscaler`), :meth:`OwnPlacement.reserve` also counts
 the nodes its node types could add: a request only they can hold is waited for, up to
 ``scale_up_timeout_s`` (cloud nodes take minutes), reporting what is pending and what came up.
+Each decision reads the cluster once (:class:`ClusterNow`).
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ import contextlib
 import difflib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-from ray_lightning.config import SCALE_UP_TIMEOUT_ENV, WorkerResources, describe_totals, fmt_amount, fmt_resource
+from ray_lightning.config.display import describe_totals, fmt_amount, fmt_resource
+from ray_lightning.config.resources import WorkerResources
+from ray_lightning.config.timeouts import DEFAULT_SCALE_UP_TIMEOUT_S
+from ray_lightning.config.variables import SCALE_UP_TIMEOUT_ENV
 from ray_lightning.errors import ClusterResourceError
 from ray_lightning.launch.autoscaler import (
     Autoscaler,
@@ -58,9 +61,20 @@ def trial_bundles(request: WorkerResources) -> list[dict[str, float]]:
     return [dict(TRIAL_BUNDLE)] + [request.bundle() for _ in range(request.num_workers)]
 
 
-def alive_node_resources() -> list[dict[str, float]]:
-    """The total resources of each node of the cluster that is alive now."""
-    return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+@dataclass(frozen=True)
+class ClusterNow:
+    """The cluster's alive nodes at one moment: node id -> total resources."""
+
+    nodes: Mapping[str, Mapping[str, float]]
+
+    @classmethod
+    def read(cls) -> ClusterNow:
+        return cls({n["NodeID"]: n["Resources"] for n in ray.nodes() if n.get("Alive")})
+
+    @property
+    def resources(self) -> list[dict[str, float]]:
+        """Each alive node's total resources."""
+        return [dict(r) for r in self.nodes.values()]
 
 
 def check_cluster_can_hold(
@@ -215,15 +229,37 @@ class OwnPlacement(Placement):
     """A placement group of the launch's own, removed when its workers stop."""
 
     @classmethod
-    def reserve(cls, request: WorkerResources, timeout_s: float) -> OwnPlacement:
-        """Reserve ``request`` as one placement group; fail after ``timeout_s`` saying what the cluster has free."""
+    def reserve(
+        cls,
+        request: WorkerResources,
+        placement_timeout_s: float,
+        scale_up_timeout_s: float = DEFAULT_SCALE_UP_TIMEOUT_S,
+        say: Callable[[str], None] | None = None,
+    ) -> OwnPlacement:
+        """Check ``request`` against the cluster and reserve it as a placement group of its own.
+
+        A request no alive node nor any node the autoscaler could add can ever hold fails at once
+        (:func:`check_cluster_can_hold`). One the alive nodes can hold is waited for up to
+        ``placement_timeout_s``; one only the autoscaler's nodes can hold, up to ``scale_up_timeout_s``;
+        one the alive nodes could hold but are busy, while the autoscaler could add nodes, by the longer
+        of both. Meanwhile ``say`` (default: this module's logger at INFO) reports what is pending.
+        """
+        say = say or log.info
+        cluster = ClusterNow.read()
+        autoscaler = None
+        try:
+            check_cluster_can_hold(request, cluster.resources)
+        except ClusterResourceError as error:
+            autoscaler = find_autoscaler()
+            if autoscaler is None:
+                raise
+            check_cluster_can_hold(request, cluster.resources, autoscaler)
+            if autoscaler.node_types is None:
+                say(f"ray_lightning: {error} The autoscaler may still add nodes that can; what it launches is unknown.")
         bundles, strategy = request.placement()
         pg = placement_group(bundles, strategy=strategy)
         try:
-            ray.get(pg.ready(), timeout=timeout_s)
-        except GetTimeoutError:
-            remove_placement_group(pg)
-            raise _busy_error(request, timeout_s) from None
+            _wait_placed(pg, request, autoscaler, cluster, (placement_timeout_s, scale_up_timeout_s), say)
         except BaseException:
             remove_placement_group(pg)
             raise
@@ -291,52 +327,19 @@ class TrialPlacement(Placement):
         return cls(pg, indices, [bundle_nodes[b] for b in indices], owned=False)
 
 
-def reserve_own_placement(
-    request: WorkerResources,
-    placement_timeout_s: float,
-    scale_up_timeout_s: float,
-    say: Callable[[str], None] | None = None,
-) -> OwnPlacement:
-    """Check ``request`` against the cluster and reserve it as a placement group of its own.
-
-    Without an autoscaler that could add nodes for it, this is :meth:`OwnPlacement.reserve` after
-    :func:`check_cluster_can_hold`. When only the nodes the autoscaler may add can hold it, the wait
-    is bounded by ``scale_up_timeout_s`` instead; when the alive nodes could but are busy and the
-    autoscaler could add nodes that hold it, by the longer of both. Meanwhile ``say`` (default:
-    this module's logger at INFO) reports what is pending and what came up.
-    """
-    say = say or log.info
-    nodes = alive_node_resources()
-    autoscaler = None
-    try:
-        check_cluster_can_hold(request, nodes)
-    except ClusterResourceError as error:
-        autoscaler = find_autoscaler()
-        if autoscaler is None:
-            raise
-        check_cluster_can_hold(request, nodes, autoscaler)
-        if autoscaler.node_types is None:
-            say(f"ray_lightning: {error} The autoscaler may still add nodes that can; what it launches is unknown.")
-    bundles, strategy = request.placement()
-    pg = placement_group(bundles, strategy=strategy)
-    try:
-        _wait_placed(pg, request, autoscaler, placement_timeout_s, scale_up_timeout_s, say)
-    except BaseException:
-        remove_placement_group(pg)
-        raise
-    return OwnPlacement.placed(pg, request)
-
-
 def _wait_placed(
     pg: Any,
     request: WorkerResources,
     autoscaler: Autoscaler | None,
-    placement_s: float,
-    scale_up_s: float,
+    cluster: ClusterNow,
+    bounds: tuple[float, float],
     say: Callable[[str], None],
 ) -> None:
-    """Until ``pg`` is placed; without ``autoscaler`` (the alive nodes can hold it) ask for one only if it waits."""
-    ready, started = pg.ready(), time.monotonic()
+    """Until ``pg`` is placed; without ``autoscaler`` (the alive nodes can hold it) ask for one only if it waits.
+
+    ``bounds``: ``(placement_timeout_s, scale_up_timeout_s)``; ``cluster``: the nodes before the wait.
+    """
+    (placement_s, scale_up_s), ready, started = bounds, pg.ready(), time.monotonic()
     if autoscaler is None:
         if _placed(ready, min(placement_s, CHECK_INTERVAL_S)):
             return
@@ -347,7 +350,7 @@ def _wait_placed(
             raise _busy_error(request, placement_s)
         # It waits for free resources, and new nodes would bring some: the longer of both bounds.
         scale_up_s = max(scale_up_s, placement_s)
-    _ScaleUpWait(ready, pg.id.hex(), request, autoscaler, scale_up_s, say, started).run()
+    _ScaleUpWait(ready, pg.id.hex(), request, autoscaler, scale_up_s, say, started, dict(cluster.nodes)).run()
 
 
 def _placed(ready: ray.ObjectRef, timeout_s: float) -> bool:
@@ -364,10 +367,6 @@ def _could_add(autoscaler: Autoscaler, request: WorkerResources) -> bool:
     return added_capacity(bundles[0], autoscaler.node_types, autoscaler.max_workers, autoscaler.running, spread) > 0
 
 
-def _alive_by_id() -> dict[str, dict[str, float]]:
-    return {n["NodeID"]: n["Resources"] for n in ray.nodes() if n.get("Alive")}
-
-
 @dataclass
 class _ScaleUpWait:
     """Waiting for a placement group the autoscaler's nodes may hold: progress on the driver, and the
@@ -381,7 +380,7 @@ class _ScaleUpWait:
     timeout_s: float
     say: Callable[[str], None]
     started: float
-    nodes_before: dict[str, dict[str, float]] = field(default_factory=_alive_by_id)
+    nodes_before: Mapping[str, Mapping[str, float]]
     report: AutoscalerReport = field(default_factory=AutoscalerReport)
     failures: list[str] = field(default_factory=list)
 
@@ -424,7 +423,7 @@ class _ScaleUpWait:
             )
 
     def _nodes_text(self) -> str:
-        now = _alive_by_id()
+        now = ClusterNow.read().nodes
         new = [describe_totals(r) for node_id, r in now.items() if node_id not in self.nodes_before]
         gone = len([node_id for node_id in self.nodes_before if node_id not in now])
         text = f"{len(now)} node(s) up, {len(new)} new since the wait began" + (f": {'; '.join(new)}" if new else "")

@@ -10,13 +10,12 @@ same moment, so a death found within ``DEATH_GRACE_S`` of another worker's excep
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from ray_lightning.config import DEATH_GRACE_S
 from ray_lightning.errors import RayWorkerError, WorkerDiedError
 from ray_lightning.home.results import WorkerOutput
 from ray_lightning.launch.stacks import collect_stacks
@@ -26,6 +25,9 @@ if TYPE_CHECKING:
     from ray_lightning.channel.driver_channel import DriverChannel
     from ray_lightning.launch.actor import NodeInfo
 
+# How long to look for a dead worker behind another worker's exception (its peers fail at once too).
+DEATH_GRACE_S = 2.0
+
 
 def wait_for_outputs(
     refs: Sequence[ray.ObjectRef],
@@ -33,12 +35,14 @@ def wait_for_outputs(
     infos: Sequence[NodeInfo],
     channel: DriverChannel | None,
     watchdog: Watchdog | None = None,
+    stop: Callable[[], RayWorkerError | None] | None = None,
 ) -> list[WorkerOutput | None]:
     """Every worker's output in actor order, or the first failure raised with its rank.
 
     ``ranks[i]`` and ``infos[i]`` are actor ``i``'s global rank and location. Calls the workers
     send through ``channel`` run here as they arrive, and their progress goes to ``watchdog``,
-    which raises when a rank stays in one place for longer than its bound.
+    which raises when a rank stays in one place for longer than its bound. After each message of the
+    channel, ``stop`` may give an error that ends the wait (a preemption rank 0 checkpointed for).
     """
     pending = {ref: i for i, ref in enumerate(refs)}
     outputs: list[WorkerOutput | None] = [None] * len(refs)
@@ -50,6 +54,9 @@ def wait_for_outputs(
             continue
         if channel is not None and channel.next_call() in done:
             _run_driver_call(channel)
+            error = stop() if stop is not None else None
+            if error is not None:
+                raise error
             continue
         for ref in done:
             i = pending.pop(ref)

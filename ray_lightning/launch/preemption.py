@@ -8,7 +8,8 @@ its own reads which nodes are draining (the GCS, as Ray Train's own preemption w
 whether a worker left a notice. A worker that itself receives SIGTERM (a container stopped, a
 process killed politely) leaves a notice under the call's key in Ray's key-value store, or, on
 rank 0, asks directly; it keeps training for up to :data:`SIGTERM_GRACE_S` so that rank 0 can
-checkpoint (the driver then restarts the workers elsewhere), and exits after that as asked.
+checkpoint (the driver then restarts the workers elsewhere), and exits after that as asked. The
+GCS's draining nodes and the key-value store are Ray's private APIs (:mod:`ray_lightning._ray`).
 
 Rank 0's recovery callback (:mod:`ray_lightning.home.recovery`) takes the checkpoint at the next
 batch end (:func:`ray_lightning.runtime.request_checkpoint`). Only a fit that may restart
@@ -29,6 +30,8 @@ import ray
 from typing_extensions import override
 
 from ray_lightning import namespaces, runtime
+from ray_lightning._ray import kv
+from ray_lightning._ray import state as ray_state
 from ray_lightning.runtime import RecoveryPlan
 
 log = logging.getLogger(__name__)
@@ -40,31 +43,23 @@ _NAMESPACE = "ray_lightning"
 
 def draining_nodes() -> dict[str, int]:
     """``{node id: drain deadline in ms since the epoch (0: none)}`` of the cluster's draining nodes."""
-    from ray._private.state import state  # no public API tells yet; Ray Train polls the same
-
-    return dict(state.get_draining_nodes())
+    return ray_state.draining_nodes()  # no public API tells yet; Ray Train polls the same
 
 
 def leave_notice(key: str, reason: str) -> None:
     """Tell rank 0's watcher (any node) that ``reason``: a worker is going away."""
-    from ray.experimental.internal_kv import _internal_kv_put
-
-    _internal_kv_put(key, reason.encode(), overwrite=True, namespace=_NAMESPACE)
+    kv.kv_put(key, reason.encode(), namespace=_NAMESPACE)
 
 
 def read_notice(key: str) -> str | None:
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    value = _internal_kv_get(key, namespace=_NAMESPACE)
+    value = kv.kv_get(key, namespace=_NAMESPACE)
     return value.decode(errors="replace") if value else None
 
 
 def forget_notice(key: str) -> None:
     """On the driver after a call: the key is the call's alone."""
-    from ray.experimental.internal_kv import _internal_kv_del
-
     with contextlib.suppress(Exception):
-        _internal_kv_del(key, namespace=_NAMESPACE)
+        kv.kv_delete(key, namespace=_NAMESPACE)
 
 
 class PreemptionWatch:
@@ -141,7 +136,7 @@ class PreemptionWatch:
         while not self._stop.wait(POLL_S):
             try:
                 self._check()
-            except Exception:  # noqa: BLE001 - a GCS hiccup; the next poll tries again
+            except Exception:  # a GCS hiccup (logged); the next poll tries again
                 log.debug("ray_lightning: preemption check failed", exc_info=True)
 
     def _check(self) -> None:
@@ -158,7 +153,7 @@ class PreemptionWatch:
             runtime.request_checkpoint(notice)
 
 
-class SigtermFirst(*namespaces.bases("callbacks.Callback")):
+class SigtermFirst(*namespaces.every("callbacks.Callback")):
     """Puts the watch's SIGTERM handler back in front of the Trainer's as each loop starts.
 
     Lightning installs its SIGTERM handler for the call just before the loop runs; in 2.6 it

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ray_lightning.config import RecoverySettings, WorkerResources
+from ray_lightning.config.workers import WorkerSpec
 from ray_lightning.launch.rendezvous import Rendezvous
 from ray_lightning.runtime import WorkerContext
 
@@ -16,19 +15,16 @@ if TYPE_CHECKING:
 class LaunchedStrategy(Protocol):
     """A ray_lightning strategy, as the launcher (on the driver) and the worker actor see it."""
 
-    resources: WorkerResources
-    init_hook: Callable[[], Any] | None
-    placement_timeout_s: float
-    worker_start_timeout_s: float
-    keep_workers_alive_s: float
-    progress_timeout_s: float | None
-    scale_up_timeout_s: float
-    recovery: RecoverySettings
+    workers: WorkerSpec
     restarts: list[Any]
 
     @property
     def rendezvous(self) -> Rendezvous:
         """How this strategy's workers meet."""
+
+    @property
+    def collective_errors(self) -> tuple[type[BaseException], ...]:
+        """Exception types its collectives raise in the ranks that survive a peer's loss (besides torch's)."""
 
     def check_trainer(self, trainer: pl.Trainer) -> None:
         """On the driver, before any worker starts: refuse a Trainer this strategy cannot run."""

@@ -1,31 +1,14 @@
-"""Restarts inside one call (``max_failures``): what the driver resumes from, and which failures it restarts after.
+"""Restarts inside one call (``max_failures``): the driver's memory across a call's attempts.
 
 The launcher runs a call's attempts (:meth:`ray_lightning.launch.launcher.RayLauncher.launch`);
-:class:`Recovery` is the driver's memory across them. It receives rank 0's recovery checkpoints
-(:mod:`ray_lightning.home.recovery`) and keeps the newest as a file in a private directory on the
-driver's machine, writes the files a staged rank 0 mirrored, decides after a failure whether to
-start the workers again and from which checkpoint, and logs and records each restart
+whether a failure is followed by a restart is decided in :mod:`.failures`. :class:`Recovery` keeps
+what the attempts share: rank 0's newest recovery checkpoint (:mod:`ray_lightning.home.recovery`),
+kept as a file in a private directory on the driver's machine, the files a staged rank 0 mirrored
+here, a preemption rank 0 checkpointed for, and each restart, logged and recorded
 (``trainer.strategy.restarts``).
 
 Decisions:
 
-* A restart can fix what happened to the workers, not what their code did. It follows: a worker
-  process that died (killed, out of memory, its node lost or preempted), a worker that died while
-  starting, a collective that broke because a peer went away (gloo, NCCL or Horovod connection
-  errors, raised in the survivors), and a worker about to go away once rank 0 has checkpointed
-  for it (:class:`~ray_lightning.errors.WorkerPreemptedError`). An exception raised by the user's
-  code (``training_step``, a callback, a data loader) is not retried: it is almost always
-  deterministic, and running it ``max_failures`` more times would only waste the cluster's time
-  before failing the same way (Ray Train retries everything). Neither is a stuck rank
-  (``WorkerHangError``) nor a cluster too small for the workers (``ClusterResourceError``).
-* After a worker process died on a node that is still there, the restart keeps the other workers'
-  processes that came out of the broken call and say they can run another (their process group left,
-  their environment restored), and starts a new process only for the dead worker and any that stay
-  stuck in a collective (:meth:`~ray_lightning.launch.worker_group.WorkerGroup.salvage`): starting a
-  process and importing torch and Lightning is most of a restart's time. After anything else (a node
-  lost or preempted, a worker that died while starting), the restart starts a new worker group on
-  whatever nodes can hold it (a replacement the autoscaler brings up, or inside a Tune trial, the
-  trial's own bundles once Ray has placed them again).
 * The workers resume from the newest recovery checkpoint with Lightning's own ``fit(ckpt_path=...)``,
   so weights, optimizers, schedulers, loops and callbacks continue where it was taken; before the
   first one, from the call's own ``ckpt_path`` (or the start).
@@ -48,58 +31,18 @@ from typing import Any
 
 import ray
 
-from ray_lightning.config import RecoverySettings
-from ray_lightning.errors import (
-    RayWorkerError,
-    WorkerDiedError,
-    WorkerHangError,
-    WorkerPreemptedError,
-    WorkerStartupError,
-)
+from ray_lightning.config.restarts import RecoverySettings
+from ray_lightning.errors import RayWorkerError, WorkerPreemptedError
 from ray_lightning.home import files
 from ray_lightning.launch.actor import NodeInfo
+from ray_lightning.launch.failures import Failure
 from ray_lightning.launch.preemption import forget_notice
 from ray_lightning.runtime import RecoveryPlan
 
 log = logging.getLogger(__name__)
 
-# Errors of torch.distributed and Horovod, raised in the ranks that survive a peer's death.
-_COLLECTIVE_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError", "HorovodInternalError")
-_COLLECTIVE_MESSAGES = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "connection refused",
-    "econnreset",
-    "nccl error",
-    "horovod has been shut down",
-    "gloo/transport",
-)
 # Bound on reading a recovery checkpoint rank 0 sent (it travels between nodes once).
 FETCH_TIMEOUT_S = 300.0
-
-
-def restart_reason(error: BaseException) -> str | None:
-    """Why a restart can fix ``error`` (see the module docstring), or None when it cannot."""
-    if isinstance(error, WorkerHangError) or not isinstance(error, RayWorkerError):
-        return None
-    if isinstance(error, WorkerPreemptedError):
-        return "preempted"
-    if isinstance(error, WorkerDiedError):
-        return "node preempted" if error.preempted else "worker died"
-    if isinstance(error, WorkerStartupError):
-        return "worker died while starting"
-    seen: set[int] = set()
-    cause: BaseException | None = error.__cause__
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        text = str(cause).lower()
-        if type(cause).__name__ in _COLLECTIVE_TYPES or any(m in text for m in _COLLECTIVE_MESSAGES):
-            return "collective broken by a peer's loss"
-        cause = cause.__cause__ or cause.__context__
-    if any(m in str(error).lower() for m in _COLLECTIVE_MESSAGES[:5]):
-        return "collective broken by a peer's loss"
-    return None
 
 
 @dataclass(frozen=True)
@@ -133,7 +76,7 @@ class _Checkpoint:
 
 
 class Recovery:
-    """The driver's side of one call's restarts (``settings.max_failures`` of them at most)."""
+    """The driver's side of one call's attempts, and of its restarts (``settings.max_failures`` of them at most)."""
 
     def __init__(self, settings: RecoverySettings, scope: files.WriteScope, history: list[Restart]) -> None:
         self.settings = settings
@@ -143,13 +86,19 @@ class Recovery:
         self._failures: list[str] = []
         self._directory: str | None = None
         self._latest: _Checkpoint | None = None
+        self._going_away: dict[str, Any] | None = None  # the header of a preemption checkpoint, until acted on
         self.notice_key = f"notice-{uuid.uuid4().hex}"
-        self.synced: set[str] = set()  # files a staged rank 0 mirrored onto this machine during the call
+        self._synced: set[str] = set()  # files a staged rank 0 wrote that are on this machine now
         self.started = time.time()
 
     @property
     def enabled(self) -> bool:
         return self.settings.enabled
+
+    @property
+    def synced(self) -> frozenset[str]:
+        """The files of a staged rank 0 that reached this machine during the call (:meth:`mirror`)."""
+        return frozenset(self._synced)
 
     def plan(self, infos: Iterable[NodeInfo]) -> RecoveryPlan | None:
         """What the workers of the next attempt do for recovery (None: nothing)."""
@@ -179,16 +128,29 @@ class Recovery:
             return
         path = self._write_checkpoint(value["checkpoint"])
         self._latest = _Checkpoint(path, header["epoch"], header["global_step"], header["log_step"], header["reason"])
-        self.synced.update(files.write(value["files"], self._scope))
-        files.remove(value["removed"], self._scope)
-        self.synced.difference_update(value["removed"])
+        self.mirror(files.write(value["files"], self._scope), files.remove(value["removed"], self._scope))
         log.debug("ray_lightning: recovery checkpoint at epoch %s, step %s", header["epoch"], header["global_step"])
-        if header.get("preemption") and len(self.restarts) < self.settings.max_failures:
-            raise WorkerPreemptedError(
-                f"ray_lightning: {header['reason'].removeprefix('preemption: ')}; rank 0 took a recovery "
-                f"checkpoint at epoch {header['epoch']}, step {header['global_step']}, and the workers move.",
-                rank=0,
-            )
+        if header.get("preemption"):
+            self._going_away = header
+
+    def mirror(self, written: Iterable[str], removed: Iterable[str] = ()) -> None:
+        """Files of a staged rank 0 that were written on (or removed from) this machine: the one record of them."""
+        self._synced.update(written)
+        self._synced.difference_update(removed)
+
+    def stop_for_preemption(self) -> WorkerPreemptedError | None:
+        """Once rank 0 took a checkpoint because a worker is going away: the error that ends the attempt at once,
+        when a restart may follow (else the attempt goes on until the worker is gone)."""
+        header, self._going_away = self._going_away, None
+        if header is None or len(self.restarts) >= self.settings.max_failures:
+            return None
+        reason = header["reason"].removeprefix("preemption: ")
+        return WorkerPreemptedError(
+            f"ray_lightning: {reason}; rank 0 took a recovery checkpoint at epoch {header['epoch']}, "
+            f"step {header['global_step']}, and the workers move.",
+            rank=0,
+            reason=reason,
+        )
 
     def _write_checkpoint(self, data: Any) -> str:
         if self._directory is None:
@@ -204,43 +166,35 @@ class Recovery:
         """The ``ckpt_path`` file the next attempt resumes from: the newest recovery checkpoint, else ``given``."""
         return self._latest.path if self._latest is not None else given
 
-    def restart_after(self, error: BaseException, nodes: dict[int, NodeInfo]) -> bool:
-        """Whether to start the workers again after ``error`` (then the restart is logged and recorded).
-
-        ``nodes``: where each global rank of the failed attempt ran.
-        """
-        reason = restart_reason(error) if self.enabled else None
-        if reason is None or len(self.restarts) >= self.settings.max_failures:
-            return False
-        rank = getattr(error, "rank", -1)
-        info = nodes.get(rank)
+    def record_restart(self, failure: Failure) -> Restart:
+        """Log and record the restart that follows ``failure`` (:func:`~.failures.decide` chose it)."""
         latest = self._latest
         restart = Restart(
             number=len(self.restarts) + 1,
-            rank=rank,
-            node=info.node_ip if info is not None else None,
-            cause=_first_line(error),
+            rank=failure.rank,
+            node=failure.node.node_ip if failure.node is not None else None,
+            cause=_first_line(failure.error),
             epoch=latest.epoch if latest else None,
             global_step=latest.global_step if latest else None,
             failed_at=time.time(),
-            reason=reason,
+            reason=failure.kind.value,
         )
         self.restarts.append(restart)
         self._history.append(restart)
-        self._failures.append(str(error))
+        self._failures.append(str(failure.error))
         resumed = f"epoch {restart.epoch} after step {restart.global_step}" if latest else "the start of the call"
         log.warning(
             "ray_lightning: restarting the workers (%d of max_failures=%d) after rank %d on node %s: %s (%s). "
             "Resuming in %s.",
             restart.number,
             self.settings.max_failures,
-            rank,
+            restart.rank,
             restart.node or "?",
             restart.cause,
-            reason,
+            restart.reason,
             resumed,
         )
-        return True
+        return restart
 
     def final_error(self, error: BaseException) -> BaseException:
         """``error``, with the earlier failures' messages when the call had restarted before."""
@@ -263,7 +217,7 @@ class Recovery:
     def seed_files(self, directories: Iterable[str]) -> dict[str, bytes]:
         """What this call wrote on the driver's side so far: a new staged rank 0 starts from it."""
         seeds = files.recent(directories, self.started)
-        for path in self.synced:
+        for path in self._synced:
             if path not in seeds and os.path.isfile(path):
                 with open(path, "rb") as f:
                     seeds[path] = f.read()

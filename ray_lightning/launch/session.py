@@ -35,3 +35,11 @@ def driver_sys_path() -> tuple[str, ...]:
         return ()
     # "" is the working directory (notebooks, `python -c`); workers have their own.
     return tuple(os.path.abspath(p) if p == "" else p for p in sys.path)
+
+
+def alive_node_ids() -> set[str]:
+    """The ids of the cluster's nodes that are alive now (empty when the cluster cannot be asked)."""
+    try:
+        return {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+    except Exception:  # noqa: BLE001 - a cluster that cannot answer: no node counts as alive
+        return set()

@@ -10,6 +10,7 @@ expired. Startup failures have their own types: :class:`~ray_lightning.errors.Wo
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -17,9 +18,9 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_lightning.channel.driver_channel import DriverChannel
-from ray_lightning.config import RENDEZVOUS_TIMEOUT_FACTOR, WorkerResources
+from ray_lightning.config.resources import WorkerResources
 from ray_lightning.environment import WorkerRank, assign_ranks
-from ray_lightning.errors import WorkerStartupError, WorkerStartupTimeoutError
+from ray_lightning.errors import RayWorkerError, WorkerStartupError, WorkerStartupTimeoutError
 from ray_lightning.home.results import WorkerOutput
 from ray_lightning.launch.actor import NodeInfo, RayWorker
 from ray_lightning.launch.placement import Placement
@@ -28,6 +29,11 @@ from ray_lightning.launch.rendezvous import Rendezvous, RendezvousPoint
 from ray_lightning.launch.session import driver_node_id, ray_session
 from ray_lightning.launch.watchdog import Watchdog
 from ray_lightning.runtime import WorkerContext
+
+# The rendezvous (TCPStore, Horovod's Gloo) waits this many times worker_start_timeout_s for every
+# rank to arrive: longer than the watchdog's startup bound, so a rank stuck before it (in init_hook)
+# is named by the watchdog instead of surfacing as its peers' rendezvous timeout.
+RENDEZVOUS_TIMEOUT_FACTOR = 2.0
 
 
 class WorkerGroup:
@@ -167,17 +173,19 @@ class WorkerGroup:
         contexts: list[WorkerContext],
         channel: DriverChannel | None = None,
         watchdog: Watchdog | None = None,
+        stop: Callable[[], RayWorkerError | None] | None = None,
     ) -> list[WorkerOutput | None]:
         """Run the call on every worker; their outputs in actor order, or the first failure raised.
 
-        ``watchdog`` gets the ranks' progress reports from ``channel`` and stops a call whose rank is stuck.
+        ``watchdog`` gets the ranks' progress reports from ``channel`` and stops a call whose rank is stuck;
+        ``stop`` may end it after any message of the channel (:func:`~.poll.wait_for_outputs`).
         """
         self.calls += 1
         if channel is not None:
             channel.on_progress = watchdog.record if watchdog is not None else None
         refs = [actor.execute.remote([payload], ctx) for actor, ctx in zip(self.actors, contexts)]
         self._running = refs
-        outputs = wait_for_outputs(refs, [c.rank.global_rank for c in contexts], self.infos, channel, watchdog)
+        outputs = wait_for_outputs(refs, [c.rank.global_rank for c in contexts], self.infos, channel, watchdog, stop)
         self._running = []
         for actor in self.actors:
             actor.finish_call.remote()  # clean up for the next call while the driver goes on

@@ -1,12 +1,13 @@
-"""``RayAccelerator`` and ``HorovodRayAccelerator``: the accelerator the Trainer sees when training runs on Ray workers.
+"""The accelerator the Trainer sees when training runs on Ray workers, and the classic ``accelerator=`` form.
 
-They serve two purposes:
+:class:`WorkerAccelerator` serves two purposes:
 
-* ``Trainer(accelerator=RayAccelerator(num_workers=4, cpus_per_worker=1, use_gpu=False))`` — the
+* ``Trainer(accelerator=RayAccelerator(num_workers=4, cpus_per_worker=1, use_gpu=False))``: the
   classic form. Lightning 2.x picks strategies apart from accelerators, so
-  :mod:`ray_lightning._lightning.connector` turns this accelerator into the strategy registered
-  under its ``strategy_name`` (``"ray"``: :class:`~ray_lightning.RayStrategy`; ``"horovod_ray"``:
-  :class:`~ray_lightning.HorovodRayStrategy`), found through Lightning's ``StrategyRegistry``.
+  :mod:`ray_lightning._lightning.connector` turns such an accelerator into the strategy it names
+  (``strategy_class``). Each strategy module defines its form beside it (``RayAccelerator`` in
+  :mod:`.ddp`, ``RayFSDPAccelerator`` in :mod:`.fsdp`...), and :func:`register` puts both into
+  Lightning's registries under the strategy's ``registry_name`` (``"ray"``, ``"fsdp_ray"``...).
 * Inside each worker it does what Lightning's CPU or CUDA accelerator would do, following the
   device the worker really got: the driver may have no GPU while the workers do.
 """
@@ -15,37 +16,32 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from typing_extensions import override
 
 from ray_lightning import _lightning, namespaces, runtime
-from ray_lightning.config import check_keywords
+from ray_lightning.config.arguments import check_keywords
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
 
-class _RayAccelerator:
-    """Train on ``num_workers`` Ray actors with PyTorch DDP: a Lightning ``Accelerator``.
+class WorkerAccelerator(namespaces.PerNamespace):
+    """A Lightning ``Accelerator`` for Ray workers; the base of every ``accelerator=`` form.
 
     Args:
         num_workers: number of training processes (Ray actors).
         cpus_per_worker: CPUs reserved for each worker.
-        use_gpu: reserve one GPU per worker and train on CUDA with NCCL.
-        **strategy_kwargs: any other :class:`~ray_lightning.RayStrategy` argument
-            (``resources_per_worker``, ``init_hook``, DDP keyword arguments, ...).
-
-    Example::
-
-        trainer = pl.Trainer(max_epochs=2,
-                             accelerator=RayAccelerator(num_workers=4, cpus_per_worker=1, use_gpu=False))
-        trainer.fit(model)
+        use_gpu: reserve one GPU per worker and train on CUDA.
+        **strategy_kwargs: any other argument of the form's strategy (``resources_per_worker``,
+            ``init_hook``, its Lightning strategy's arguments...).
     """
 
-    # The name of the strategy this accelerator stands for, in Lightning's StrategyRegistry.
-    strategy_name = "ray"
+    lightning_base = "accelerators.Accelerator"
+    # The strategy this form stands for (set by each form).
+    strategy_class: ClassVar[type]
     # Strategy arguments this accelerator takes under another name.
     renamed = {"num_cpus_per_worker": "cpus_per_worker"}
 
@@ -71,14 +67,10 @@ class _RayAccelerator:
         # Validate now so bad arguments fail in Trainer(...), not in fit().
         self.make_strategy()
 
-    def strategy_class(self) -> type:
-        """The strategy class registered under :attr:`strategy_name`."""
-        return self.namespace.pl("strategies.StrategyRegistry")[self.strategy_name]["strategy"]
-
     def make_strategy(self) -> Any:
         """The strategy this accelerator stands for (built once)."""
         if self._strategy is None:
-            cls = self.strategy_class()
+            cls = namespaces.member(self.strategy_class, self.namespace)
             accepted = getattr(cls, "accepted_keywords", None)
             if accepted is not None:
                 own = set(inspect.signature(type(self).__init__).parameters) - {"self", "strategy_kwargs"}
@@ -169,15 +161,15 @@ class _RayAccelerator:
     def is_available() -> bool:
         return True
 
-    @staticmethod
+    @classmethod
     @override
-    def name() -> str:
-        return "ray"
+    def name(cls) -> str:
+        return cls.strategy_class.registry_name
 
     @classmethod
     @override
     def register_accelerators(cls, accelerator_registry: Any) -> None:
-        # Lightning calls this on the classes it finds; namespaces.register did it for every namespace.
+        # Lightning calls this on the classes it finds; register() did it for every namespace.
         if cls.name() not in accelerator_registry:
             accelerator_registry.register(cls.name(), cls, description=f"{cls.__name__} (ray_lightning)")
 
@@ -186,118 +178,9 @@ class _RayAccelerator:
         return f"{type(self).__name__}({args})"
 
 
-RayAccelerator = namespaces.family(_RayAccelerator, "accelerators.Accelerator", __name__)
-
-
-class _HorovodRayAccelerator(_RayAccelerator):
-    """Train on Ray actors with Horovod: the classic form of :class:`~ray_lightning.HorovodRayStrategy`.
-
-    Args:
-        num_workers: number of training processes, packed onto as few nodes as the cluster allows.
-        num_hosts: number of different nodes to train on (instead of ``num_workers``).
-        num_slots: workers on each of those nodes.
-        cpus_per_worker: CPUs reserved for each worker.
-        use_gpu: reserve one GPU per worker and train on CUDA.
-        **strategy_kwargs: any other :class:`~ray_lightning.HorovodRayStrategy` argument.
-
-    Example::
-
-        trainer = pl.Trainer(max_epochs=2, accelerator=HorovodRayAccelerator(num_hosts=2, num_slots=4, use_gpu=True))
-        trainer.fit(model)
-    """
-
-    strategy_name = "horovod_ray"
-
-    def __init__(
-        self,
-        num_workers: int | None = None,
-        num_hosts: int | None = None,
-        num_slots: int | None = None,
-        cpus_per_worker: float = 1,
-        use_gpu: bool = False,
-        **strategy_kwargs: Any,
-    ) -> None:
-        super().__init__(
-            num_workers=num_workers,  # type: ignore[arg-type]
-            cpus_per_worker=cpus_per_worker,
-            use_gpu=use_gpu,
-            num_hosts=num_hosts,
-            num_slots=num_slots,
-            **strategy_kwargs,
-        )
-
-    @staticmethod
-    @override
-    def name() -> str:
-        return "horovod_ray"
-
-
-HorovodRayAccelerator = namespaces.family(_HorovodRayAccelerator, "accelerators.Accelerator", __name__)
-
-
-class _RayFSDPAccelerator(_RayAccelerator):
-    """Fully sharded data parallel on Ray actors: the classic form of :class:`~ray_lightning.RayFSDPStrategy`.
-
-    Takes ``RayAccelerator``'s arguments and any other ``RayFSDPStrategy`` argument.
-
-    Example::
-
-        trainer = pl.Trainer(accelerator=RayFSDPAccelerator(num_workers=4, use_gpu=True, auto_wrap_policy={Block}))
-    """
-
-    strategy_name = "fsdp_ray"
-
-    @staticmethod
-    @override
-    def name() -> str:
-        return "fsdp_ray"
-
-
-class _RayModelParallelAccelerator(_RayAccelerator):
-    """ModelParallelStrategy on Ray actors: the classic form of :class:`~ray_lightning.RayModelParallelStrategy`.
-
-    Takes ``RayAccelerator``'s arguments and any other ``RayModelParallelStrategy`` argument.
-
-    Example::
-
-        trainer = pl.Trainer(accelerator=RayModelParallelAccelerator(num_workers=4, tensor_parallel_size=2))
-    """
-
-    strategy_name = "model_parallel_ray"
-
-    @staticmethod
-    @override
-    def name() -> str:
-        return "model_parallel_ray"
-
-
-class _RayDeepSpeedAccelerator(_RayAccelerator):
-    """DeepSpeed ZeRO on Ray actors: the classic form of :class:`~ray_lightning.RayDeepSpeedStrategy`.
-
-    Takes ``RayAccelerator``'s arguments and any other ``RayDeepSpeedStrategy`` argument.
-
-    Example::
-
-        trainer = pl.Trainer(accelerator=RayDeepSpeedAccelerator(num_workers=4, use_gpu=True, stage=3))
-    """
-
-    strategy_name = "deepspeed_ray"
-
-    @staticmethod
-    @override
-    def name() -> str:
-        return "deepspeed_ray"
-
-
-RayFSDPAccelerator = namespaces.family(_RayFSDPAccelerator, "accelerators.Accelerator", __name__)
-RayModelParallelAccelerator = namespaces.family(_RayModelParallelAccelerator, "accelerators.Accelerator", __name__)
-RayDeepSpeedAccelerator = namespaces.family(_RayDeepSpeedAccelerator, "accelerators.Accelerator", __name__)
-for _accelerator in (
-    RayAccelerator,
-    HorovodRayAccelerator,
-    RayFSDPAccelerator,
-    RayModelParallelAccelerator,
-    RayDeepSpeedAccelerator,
-):
-    description = f"{_accelerator.__name__} (ray_lightning)"
-    namespaces.register(_accelerator, "accelerators.AcceleratorRegistry", _accelerator.name(), description)
+def register(form: type, description: str) -> None:
+    """Register an accelerator form and its strategy in Lightning's registries (every namespace), both under
+    the strategy's ``registry_name``: ``Trainer(strategy="ray")``, ``Trainer(accelerator="ray")``."""
+    name = form.strategy_class.registry_name
+    namespaces.register(form.strategy_class, "strategies.StrategyRegistry", name, f"{description} (ray_lightning)")
+    namespaces.register(form, "accelerators.AcceleratorRegistry", name, f"{form.__name__} (ray_lightning)")

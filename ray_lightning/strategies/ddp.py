@@ -18,15 +18,10 @@ from typing import Any
 from typing_extensions import override
 
 from ray_lightning import namespaces, runtime
-from ray_lightning.config import (
-    DEFAULT_PROGRESS_TIMEOUT_S,
-    WorkerResources,
-    check_keywords,
-    refuse_decided,
-    resolve_worker_resources,
-)
-from ray_lightning.environment import RayEnvironment
-from ray_lightning.strategies.workers import RayWorkersMixin
+from ray_lightning.config.arguments import check_keywords, refuse_decided
+from ray_lightning.config.resources import WorkerResources
+from ray_lightning.strategies import accelerator
+from ray_lightning.strategies.workers import RayWorkersMixin, worker_arguments
 
 # Arguments of DDPStrategy and DistributedDataParallel that RayStrategy (or Lightning in the
 # worker) decides, and why.
@@ -90,7 +85,7 @@ def _check_ddp_kwargs(strategy: type, ddp_kwargs: Mapping[str, Any], resources: 
     return ddp_kwargs
 
 
-class _RayStrategy(RayWorkersMixin):
+class RayStrategy(RayWorkersMixin):
     """PyTorch DDP across Ray actors, one actor per worker: Lightning's ``DDPStrategy``.
 
     The same class serves ``lightning.pytorch`` and ``pytorch_lightning`` Trainers
@@ -140,35 +135,18 @@ class _RayStrategy(RayWorkersMixin):
         trainer.fit(model)  # the weights, metrics and best checkpoint are back here afterwards
     """
 
-    strategy_name = "ray"
+    registry_name = "ray"
+    lightning_base = "strategies.DDPStrategy"
 
-    def __init__(
-        self,
-        num_workers: int = 1,
-        num_cpus_per_worker: float = 1,
-        use_gpu: bool = False,
-        resources_per_worker: Mapping[str, float] | None = None,
-        init_hook: Callable[[], Any] | None = None,
-        *,
-        placement_timeout_s: float | None = None,
-        worker_start_timeout_s: float | None = None,
-        keep_workers_alive_s: float | None = None,
-        progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
-        scale_up_timeout_s: float | None = None,
-        max_failures: int | None = None,
-        recovery_checkpoint_every_n_steps: int | None = None,
-        **ddp_kwargs: Any,
-    ) -> None:
-        resources = resolve_worker_resources(num_workers, num_cpus_per_worker, use_gpu, resources_per_worker)
-        ddp_kwargs = _check_ddp_kwargs(type(self), ddp_kwargs, resources)
-        self.keep_init_arguments(locals(), ddp_kwargs)
-        self.init_workers_from(resources, locals())
+    @worker_arguments()
+    def __init__(self, **ddp_kwargs: Any) -> None:
+        ddp_kwargs = _check_ddp_kwargs(type(self), ddp_kwargs, self.resources)
         # The arguments set here by name are the ones RayStrategy decides; naming them also keeps
         # LightningCLI/jsonargparse, which follows **ddp_kwargs into DDPStrategy, from offering them.
         super().__init__(
             accelerator=None,
             parallel_devices=None,
-            cluster_environment=namespaces.sibling(RayEnvironment, self.namespace)(self.num_workers),
+            cluster_environment=None,
             checkpoint_io=None,
             start_method="popen",
             **ddp_kwargs,
@@ -177,7 +155,7 @@ class _RayStrategy(RayWorkersMixin):
     @classmethod
     @override
     def accepted_keywords(cls) -> set[str]:
-        return super().accepted_keywords() | ddp_keywords(cls.namespace)
+        return super().accepted_keywords() | ddp_keywords(cls.namespace or namespaces.primary())
 
     @override
     def setup_distributed(self) -> None:
@@ -185,5 +163,24 @@ class _RayStrategy(RayWorkersMixin):
         runtime.mark_progress("setup", "prepare_data, setup hooks, configure_model")
 
 
-RayStrategy = namespaces.family(_RayStrategy, "strategies.DDPStrategy", __name__)
-namespaces.register(RayStrategy, "strategies.StrategyRegistry", "ray", "DDP on Ray actors (ray_lightning)")
+class RayAccelerator(accelerator.WorkerAccelerator):
+    """Train on ``num_workers`` Ray actors with PyTorch DDP: the classic form of :class:`RayStrategy`.
+
+    Args:
+        num_workers: number of training processes (Ray actors).
+        cpus_per_worker: CPUs reserved for each worker.
+        use_gpu: reserve one GPU per worker and train on CUDA with NCCL.
+        **strategy_kwargs: any other :class:`~ray_lightning.RayStrategy` argument
+            (``resources_per_worker``, ``init_hook``, DDP keyword arguments, ...).
+
+    Example::
+
+        trainer = pl.Trainer(max_epochs=2,
+                             accelerator=RayAccelerator(num_workers=4, cpus_per_worker=1, use_gpu=False))
+        trainer.fit(model)
+    """
+
+    strategy_class = RayStrategy
+
+
+accelerator.register(RayAccelerator, "DDP on Ray actors")

@@ -32,19 +32,18 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from typing_extensions import override
 
 from ray_lightning import namespaces, runtime
-from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, check_keywords, refuse_decided, resolve_worker_resources
-from ray_lightning.environment import RayEnvironment
-from ray_lightning.strategies.accelerator import RayDeepSpeedAccelerator
-from ray_lightning.strategies.model_parallel import check_sharding_arguments
-from ray_lightning.strategies.sharded import RankPartsMixin
-from ray_lightning.strategies.workers import RayWorkersMixin
+from ray_lightning.config.arguments import check_keywords, refuse_decided
+from ray_lightning.config.resources import WorkerResources
+from ray_lightning.strategies import accelerator
+from ray_lightning.strategies.ddp import RayAccelerator
+from ray_lightning.strategies.sharded import RankPartsMixin, check_sharding_arguments
+from ray_lightning.strategies.workers import RayWorkersMixin, worker_arguments
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -68,7 +67,7 @@ def check_deepspeed_installed() -> None:
         raise ImportError(INSTALL_HINT)
 
 
-class _RayDeepSpeedStrategy(RayWorkersMixin, RankPartsMixin):
+class RayDeepSpeedStrategy(RayWorkersMixin, RankPartsMixin):
     """DeepSpeed ZeRO across Ray actors: Lightning's ``DeepSpeedStrategy``, one actor per worker.
 
     Args:
@@ -92,34 +91,15 @@ class _RayDeepSpeedStrategy(RayWorkersMixin, RankPartsMixin):
         trainer.fit(model)  # the full trained weights are in `model` afterwards
     """
 
-    strategy_name = "deepspeed_ray"
-    accelerator_class = RayDeepSpeedAccelerator
+    registry_name = "deepspeed_ray"
+    lightning_base = "strategies.DeepSpeedStrategy"
 
-    def __init__(
-        self,
-        num_workers: int = 1,
-        num_cpus_per_worker: float = 1,
-        use_gpu: bool = False,
-        resources_per_worker: Mapping[str, float] | None = None,
-        init_hook: Callable[[], Any] | None = None,
-        *,
-        stage: int = 2,
-        full_weights_home: bool | None = None,
-        placement_timeout_s: float | None = None,
-        worker_start_timeout_s: float | None = None,
-        progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
-        scale_up_timeout_s: float | None = None,
-        max_failures: int | None = None,
-        **deepspeed_kwargs: Any,
-    ) -> None:
+    # Every call gets new worker processes: DeepSpeed keeps its process groups in module globals that
+    # outlive a call's process group. Without restarts, no recovery checkpoints either.
+    @worker_arguments(fixed={"keep_workers_alive_s": 0.0, "recovery_checkpoint_every_n_steps": None})
+    def __init__(self, *, stage: int = 2, full_weights_home: bool | None = None, **deepspeed_kwargs: Any) -> None:
         check_deepspeed_installed()
-        resources = resolve_worker_resources(num_workers, num_cpus_per_worker, use_gpu, resources_per_worker)
-        deepspeed_kwargs = self._check_deepspeed_arguments(stage, full_weights_home, deepspeed_kwargs, resources)
-        self.keep_init_arguments(locals(), deepspeed_kwargs)
-        self.init_workers_from(resources, locals())
-        # DeepSpeed keeps its process groups in module globals that outlive a call's process group:
-        # every call gets new worker processes.
-        self.keep_workers_alive_s = 0.0
+        deepspeed_kwargs = self._check_deepspeed_arguments(stage, full_weights_home, deepspeed_kwargs, self.resources)
         if self.max_failures:
             raise ValueError(
                 f"RayDeepSpeedStrategy cannot restart its workers (max_failures={self.max_failures}, from the argument "
@@ -128,16 +108,12 @@ class _RayDeepSpeedStrategy(RayWorkersMixin, RankPartsMixin):
             )
         self.full_weights_home = full_weights_home
         super().__init__(
-            accelerator=None,
-            parallel_devices=None,
-            cluster_environment=namespaces.sibling(RayEnvironment, self.namespace)(self.num_workers),
-            stage=stage,
-            **deepspeed_kwargs,
+            accelerator=None, parallel_devices=None, cluster_environment=None, stage=stage, **deepspeed_kwargs
         )
 
     @classmethod
     def _check_deepspeed_arguments(
-        cls, stage: Any, full_weights_home: Any, kwargs: dict[str, Any], resources: Any
+        cls, stage: Any, full_weights_home: Any, kwargs: dict[str, Any], resources: WorkerResources
     ) -> dict[str, Any]:
         """Refuse here what would fail in every worker; returns the arguments to pass on."""
         if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
@@ -154,7 +130,8 @@ class _RayDeepSpeedStrategy(RayWorkersMixin, RankPartsMixin):
     @classmethod
     @override
     def accepted_keywords(cls) -> set[str]:
-        parameters = inspect.signature(cls.namespace.pl("strategies.DeepSpeedStrategy").__init__).parameters
+        ns = cls.namespace or namespaces.primary()
+        parameters = inspect.signature(ns.pl("strategies.DeepSpeedStrategy").__init__).parameters
         theirs = {n for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         return (super().accepted_keywords() | theirs) - set(_DECIDED) - {"self"}
 
@@ -209,10 +186,17 @@ class _RayDeepSpeedStrategy(RayWorkersMixin, RankPartsMixin):
             return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
 
-RayDeepSpeedStrategy = namespaces.family(_RayDeepSpeedStrategy, "strategies.DeepSpeedStrategy", __name__)
-namespaces.register(
-    RayDeepSpeedStrategy,
-    "strategies.StrategyRegistry",
-    "deepspeed_ray",
-    "DeepSpeed ZeRO on Ray actors (ray_lightning)",
-)
+class RayDeepSpeedAccelerator(RayAccelerator):
+    """DeepSpeed ZeRO on Ray actors: the classic form of :class:`RayDeepSpeedStrategy`.
+
+    Takes ``RayAccelerator``'s arguments and any other ``RayDeepSpeedStrategy`` argument.
+
+    Example::
+
+        trainer = pl.Trainer(accelerator=RayDeepSpeedAccelerator(num_workers=4, use_gpu=True, stage=3))
+    """
+
+    strategy_class = RayDeepSpeedStrategy
+
+
+accelerator.register(RayDeepSpeedAccelerator, "DeepSpeed ZeRO on Ray actors")

@@ -34,7 +34,7 @@ How the options map onto FSDP2:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -42,13 +42,12 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from ray_lightning import _lightning, namespaces, runtime
-from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, check_keywords, resolve_worker_resources
-from ray_lightning.environment import RayEnvironment
-from ray_lightning.strategies.accelerator import RayFSDPAccelerator
-from ray_lightning.strategies.model_parallel import check_sharding_arguments
-from ray_lightning.strategies.sharded import ShardedWorkersMixin
-from ray_lightning.strategies.workers import RayWorkersMixin
+from ray_lightning import _lightning, _torch, namespaces, runtime
+from ray_lightning.config.arguments import check_keywords
+from ray_lightning.strategies import accelerator
+from ray_lightning.strategies.ddp import RayAccelerator
+from ray_lightning.strategies.sharded import ShardedWorkersMixin, check_sharding_arguments
+from ray_lightning.strategies.workers import RayWorkersMixin, worker_arguments
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -81,7 +80,7 @@ def sharding_strategy_name(value: Any) -> str:
     return name.upper()
 
 
-class _RayFSDPStrategy(RayWorkersMixin, ShardedWorkersMixin):
+class RayFSDPStrategy(RayWorkersMixin, ShardedWorkersMixin):
     """Fully sharded data parallel (FSDP2) across Ray actors; the module needs no ``configure_model``.
 
     Args:
@@ -105,16 +104,12 @@ class _RayFSDPStrategy(RayWorkersMixin, ShardedWorkersMixin):
         trainer.fit(model)  # the full trained weights are in `model` afterwards
     """
 
-    strategy_name = "fsdp_ray"
-    accelerator_class = RayFSDPAccelerator
+    registry_name = "fsdp_ray"
+    lightning_base = "strategies.ModelParallelStrategy"
 
+    @worker_arguments()
     def __init__(
         self,
-        num_workers: int = 1,
-        num_cpus_per_worker: float = 1,
-        use_gpu: bool = False,
-        resources_per_worker: Mapping[str, float] | None = None,
-        init_hook: Callable[[], Any] | None = None,
         *,
         auto_wrap_policy: Any = None,
         sharding_strategy: Any = "FULL_SHARD",
@@ -125,20 +120,10 @@ class _RayFSDPStrategy(RayWorkersMixin, ShardedWorkersMixin):
         full_weights_home: bool | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
-        placement_timeout_s: float | None = None,
-        worker_start_timeout_s: float | None = None,
-        keep_workers_alive_s: float | None = None,
-        progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
-        scale_up_timeout_s: float | None = None,
-        max_failures: int | None = None,
-        recovery_checkpoint_every_n_steps: int | None = None,
         **fsdp_kwargs: Any,
     ) -> None:
-        resources = resolve_worker_resources(num_workers, num_cpus_per_worker, use_gpu, resources_per_worker)
-        check_sharding_arguments(resources.use_gpu, process_group_backend, timeout, full_weights_home)
+        check_sharding_arguments(self.use_gpu, process_group_backend, timeout, full_weights_home)
         self._check_fsdp_arguments(cpu_offload, mixed_precision, state_dict_type, fsdp_kwargs)
-        self.keep_init_arguments(locals(), fsdp_kwargs)
-        self.init_workers_from(resources, locals())
         self.full_weights_home = full_weights_home
         self.wraps = module_selector("auto_wrap_policy", auto_wrap_policy)
         self.checkpoints_activations = module_selector(
@@ -150,13 +135,12 @@ class _RayFSDPStrategy(RayWorkersMixin, ShardedWorkersMixin):
         self.state_dict_type = state_dict_type
         self.fsdp_kwargs = fsdp_kwargs
         super().__init__(
-            data_parallel_size=resources.num_workers,
+            data_parallel_size=self.num_workers,
             tensor_parallel_size=1,
             save_distributed_checkpoint=state_dict_type == "sharded",
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.cluster_environment = namespaces.sibling(RayEnvironment, self.namespace)(self.num_workers)
 
     @staticmethod
     def _check_fsdp_arguments(cpu_offload: Any, mixed_precision: Any, state_dict_type: Any, kwargs: dict) -> None:
@@ -237,14 +221,7 @@ class _RayFSDPStrategy(RayWorkersMixin, ShardedWorkersMixin):
         if _is_sharded(module):
             return  # sharded by the module's own configure_model
         if self.checkpoints_activations is not None:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                apply_activation_checkpointing,
-                checkpoint_wrapper,
-            )
-
-            apply_activation_checkpointing(
-                module, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=self.checkpoints_activations
-            )
+            _torch.apply_activation_checkpointing(module, check_fn=self.checkpoints_activations)
         options = self._fully_shard_options()
         if self.wraps is not None:
             for layer in reversed(list(module.modules())):  # innermost first
@@ -293,7 +270,17 @@ def _is_sharded(module: nn.Module) -> bool:
     return any(_is_dtensor(p) for p in module.parameters())
 
 
-RayFSDPStrategy = namespaces.family(_RayFSDPStrategy, "strategies.ModelParallelStrategy", __name__)
-namespaces.register(
-    RayFSDPStrategy, "strategies.StrategyRegistry", "fsdp_ray", "Fully sharded data parallel (FSDP2) on Ray actors"
-)
+class RayFSDPAccelerator(RayAccelerator):
+    """Fully sharded data parallel on Ray actors: the classic form of :class:`RayFSDPStrategy`.
+
+    Takes ``RayAccelerator``'s arguments and any other ``RayFSDPStrategy`` argument.
+
+    Example::
+
+        trainer = pl.Trainer(accelerator=RayFSDPAccelerator(num_workers=4, use_gpu=True, auto_wrap_policy={Block}))
+    """
+
+    strategy_class = RayFSDPStrategy
+
+
+accelerator.register(RayFSDPAccelerator, "Fully sharded data parallel (FSDP2) on Ray actors")

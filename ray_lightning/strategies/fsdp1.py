@@ -19,18 +19,18 @@ Decisions:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
 from typing import Any
 
 from typing_extensions import override
 
 from ray_lightning import namespaces, runtime
-from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, check_keywords, refuse_decided, resolve_worker_resources
-from ray_lightning.environment import RayEnvironment
+from ray_lightning.config.arguments import check_keywords, refuse_decided
+from ray_lightning.config.resources import WorkerResources
 from ray_lightning.runtime import WorkerContext
-from ray_lightning.strategies.model_parallel import check_sharding_arguments
-from ray_lightning.strategies.sharded import FullCheckpointsMixin
-from ray_lightning.strategies.workers import RayWorkersMixin
+from ray_lightning.strategies import accelerator
+from ray_lightning.strategies.ddp import RayAccelerator
+from ray_lightning.strategies.sharded import FullCheckpointsMixin, check_sharding_arguments
+from ray_lightning.strategies.workers import RayWorkersMixin, worker_arguments
 
 _DECIDED = {
     "accelerator": "from the GPUs the workers reserve",
@@ -44,7 +44,7 @@ _DECIDED = {
 }
 
 
-class _RayFSDP1Strategy(RayWorkersMixin, FullCheckpointsMixin):
+class RayFSDP1Strategy(RayWorkersMixin, FullCheckpointsMixin):
     """Lightning's ``FSDPStrategy`` (torch's FSDP1) across Ray GPU actors, one actor per GPU.
 
     Args:
@@ -65,40 +65,19 @@ class _RayFSDP1Strategy(RayWorkersMixin, FullCheckpointsMixin):
         trainer.fit(model)  # the full trained weights are in `model` afterwards
     """
 
-    strategy_name = "fsdp1_ray"
+    registry_name = "fsdp1_ray"
+    lightning_base = "strategies.FSDPStrategy"
 
-    def __init__(
-        self,
-        num_workers: int = 1,
-        num_cpus_per_worker: float = 1,
-        use_gpu: bool = True,
-        resources_per_worker: Mapping[str, float] | None = None,
-        init_hook: Callable[[], Any] | None = None,
-        *,
-        full_weights_home: bool | None = None,
-        placement_timeout_s: float | None = None,
-        worker_start_timeout_s: float | None = None,
-        keep_workers_alive_s: float | None = None,
-        progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
-        scale_up_timeout_s: float | None = None,
-        max_failures: int | None = None,
-        recovery_checkpoint_every_n_steps: int | None = None,
-        **fsdp_kwargs: Any,
-    ) -> None:
-        resources = resolve_worker_resources(num_workers, num_cpus_per_worker, use_gpu, resources_per_worker)
-        fsdp_kwargs = self._check_fsdp1_arguments(resources, full_weights_home, fsdp_kwargs)
-        self.keep_init_arguments(locals(), fsdp_kwargs)
-        self.init_workers_from(resources, locals())
+    @worker_arguments(defaults={"use_gpu": True})
+    def __init__(self, *, full_weights_home: bool | None = None, **fsdp_kwargs: Any) -> None:
+        fsdp_kwargs = self._check_fsdp1_arguments(self.resources, full_weights_home, fsdp_kwargs)
         self.full_weights_home = full_weights_home
-        super().__init__(
-            accelerator=None,
-            parallel_devices=None,
-            cluster_environment=namespaces.sibling(RayEnvironment, self.namespace)(self.num_workers),
-            **fsdp_kwargs,
-        )
+        super().__init__(accelerator=None, parallel_devices=None, cluster_environment=None, **fsdp_kwargs)
 
     @classmethod
-    def _check_fsdp1_arguments(cls, resources: Any, full_weights_home: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _check_fsdp1_arguments(
+        cls, resources: WorkerResources, full_weights_home: Any, kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
         """Refuse here what would fail in every worker; returns the arguments to pass on."""
         if not resources.use_gpu or resources.gpus < 1:
             raise ValueError(
@@ -120,7 +99,8 @@ class _RayFSDP1Strategy(RayWorkersMixin, FullCheckpointsMixin):
 
         named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         theirs = set()
-        for function in (cls.namespace.pl("strategies.FSDPStrategy").__init__, FullyShardedDataParallel.__init__):
+        ns = cls.namespace or namespaces.primary()
+        for function in (ns.pl("strategies.FSDPStrategy").__init__, FullyShardedDataParallel.__init__):
             theirs |= {n for n, p in inspect.signature(function).parameters.items() if p.kind in named}
         return (super().accepted_keywords() | theirs) - set(_DECIDED) - {"self"}
 
@@ -149,10 +129,17 @@ class _RayFSDP1Strategy(RayWorkersMixin, FullCheckpointsMixin):
         runtime.mark_progress("setup", "prepare_data, setup hooks, configure_model")
 
 
-RayFSDP1Strategy = namespaces.family(_RayFSDP1Strategy, "strategies.FSDPStrategy", __name__)
-namespaces.register(
-    RayFSDP1Strategy,
-    "strategies.StrategyRegistry",
-    "fsdp1_ray",
-    "Lightning's FSDPStrategy (torch's FSDP1) on Ray GPU actors (ray_lightning)",
-)
+class RayFSDP1Accelerator(RayAccelerator):
+    """Lightning's FSDP1 on Ray GPU actors: the classic form of :class:`RayFSDP1Strategy`.
+
+    Takes ``RayAccelerator``'s arguments (``use_gpu`` must hold) and any other ``RayFSDP1Strategy`` argument.
+
+    Example::
+
+        trainer = pl.Trainer(accelerator=RayFSDP1Accelerator(num_workers=8, use_gpu=True))
+    """
+
+    strategy_class = RayFSDP1Strategy
+
+
+accelerator.register(RayFSDP1Accelerator, "Lightning's FSDPStrategy (torch's FSDP1) on Ray GPU actors")

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import numbers
 import warnings
-from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from ray_lightning import _lightning, namespaces, runtime
-from ray_lightning.config import DEFAULT_PROGRESS_TIMEOUT_S, resolve_worker_resources
-from ray_lightning.environment import RayEnvironment
-from ray_lightning.strategies.accelerator import RayModelParallelAccelerator
-from ray_lightning.strategies.sharded import ShardedWorkersMixin
-from ray_lightning.strategies.workers import RayWorkersMixin
+from ray_lightning import _lightning, runtime
+from ray_lightning.strategies import accelerator
+from ray_lightning.strategies.ddp import RayAccelerator
+from ray_lightning.strategies.sharded import ShardedWorkersMixin, check_sharding_arguments
+from ray_lightning.strategies.workers import RayWorkersMixin, worker_arguments
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -65,7 +63,7 @@ def mesh_sizes(num_workers: int, data_parallel_size: Any, tensor_parallel_size: 
     return (known, other) if name == "data_parallel_size" else (other, known)
 
 
-class _RayModelParallelStrategy(RayWorkersMixin, ShardedWorkersMixin):
+class RayModelParallelStrategy(RayWorkersMixin, ShardedWorkersMixin):
     """Lightning's ``ModelParallelStrategy`` across Ray actors: your ``configure_model`` shards the model.
 
     Args:
@@ -93,36 +91,22 @@ class _RayModelParallelStrategy(RayWorkersMixin, ShardedWorkersMixin):
         trainer = pl.Trainer(strategy=RayModelParallelStrategy(num_workers=4, tensor_parallel_size=2))
     """
 
-    strategy_name = "model_parallel_ray"
-    accelerator_class = RayModelParallelAccelerator
+    registry_name = "model_parallel_ray"
+    lightning_base = "strategies.ModelParallelStrategy"
 
+    @worker_arguments()
     def __init__(
         self,
-        num_workers: int = 1,
         data_parallel_size: int | str = AUTO,
         tensor_parallel_size: int | str = AUTO,
-        num_cpus_per_worker: float = 1,
-        use_gpu: bool = False,
-        resources_per_worker: Mapping[str, float] | None = None,
-        init_hook: Callable[[], Any] | None = None,
         *,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
         full_weights_home: bool | None = None,
-        placement_timeout_s: float | None = None,
-        worker_start_timeout_s: float | None = None,
-        keep_workers_alive_s: float | None = None,
-        progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
-        scale_up_timeout_s: float | None = None,
-        max_failures: int | None = None,
-        recovery_checkpoint_every_n_steps: int | None = None,
     ) -> None:
-        resources = resolve_worker_resources(num_workers, num_cpus_per_worker, use_gpu, resources_per_worker)
-        dp, tp = mesh_sizes(resources.num_workers, data_parallel_size, tensor_parallel_size)
-        check_sharding_arguments(resources.use_gpu, process_group_backend, timeout, full_weights_home)
-        self.keep_init_arguments(locals(), {})
-        self.init_workers_from(resources, locals())
+        dp, tp = mesh_sizes(self.num_workers, data_parallel_size, tensor_parallel_size)
+        check_sharding_arguments(self.use_gpu, process_group_backend, timeout, full_weights_home)
         self.full_weights_home = full_weights_home
         super().__init__(
             data_parallel_size=dp,
@@ -132,7 +116,6 @@ class _RayModelParallelStrategy(RayWorkersMixin, ShardedWorkersMixin):
             timeout=timeout,
         )
         self.mesh_shape = (dp, tp)
-        self.cluster_environment = namespaces.sibling(RayEnvironment, self.namespace)(self.num_workers)
 
     @override
     def check_trainer(self, trainer: pl.Trainer) -> None:
@@ -173,19 +156,6 @@ class _RayModelParallelStrategy(RayWorkersMixin, ShardedWorkersMixin):
         _lightning.sharded.set_device_mesh(self, mesh)
 
 
-def check_sharding_arguments(use_gpu: bool, backend: Any, timeout: Any, full_weights_home: Any) -> None:
-    """The arguments every sharded strategy shares, refused here rather than in every worker."""
-    if timeout is not None and not isinstance(timeout, timedelta):
-        raise TypeError(f"timeout must be a datetime.timedelta, e.g. timedelta(minutes=30), got {timeout!r}.")
-    if backend is not None and (not isinstance(backend, str) or (backend.lower() == "nccl" and not use_gpu)):
-        raise ValueError(
-            f"process_group_backend={backend!r}: give 'gloo' (CPU, or GPU) or 'nccl' (needs use_gpu=True), "
-            "or leave it out to choose by device."
-        )
-    if full_weights_home is not None and not isinstance(full_weights_home, bool):
-        raise TypeError(f"full_weights_home must be True, False or None (decide by size), got {full_weights_home!r}.")
-
-
 def _warn_if_group_spans_nodes(strategy: Any, tensor_parallel_size: int) -> None:
     """Tensor parallelism talks at every layer: a group split over nodes works, slowly. Say so."""
     if tensor_parallel_size == 1 or strategy.num_nodes == 1:
@@ -202,10 +172,17 @@ def _warn_if_group_spans_nodes(strategy: Any, tensor_parallel_size: int) -> None
         )
 
 
-RayModelParallelStrategy = namespaces.family(_RayModelParallelStrategy, "strategies.ModelParallelStrategy", __name__)
-namespaces.register(
-    RayModelParallelStrategy,
-    "strategies.StrategyRegistry",
-    "model_parallel_ray",
-    "ModelParallelStrategy (FSDP2, tensor parallel) on Ray actors (ray_lightning)",
-)
+class RayModelParallelAccelerator(RayAccelerator):
+    """ModelParallelStrategy on Ray actors: the classic form of :class:`RayModelParallelStrategy`.
+
+    Takes ``RayAccelerator``'s arguments and any other ``RayModelParallelStrategy`` argument.
+
+    Example::
+
+        trainer = pl.Trainer(accelerator=RayModelParallelAccelerator(num_workers=4, tensor_parallel_size=2))
+    """
+
+    strategy_class = RayModelParallelStrategy
+
+
+accelerator.register(RayModelParallelAccelerator, "ModelParallelStrategy (FSDP2, tensor parallel) on Ray actors")

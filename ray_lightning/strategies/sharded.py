@@ -24,6 +24,7 @@ import contextlib
 import os
 import shutil
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,19 @@ if TYPE_CHECKING:
 
 # The model may come home when it takes at most this share of the driver's free memory.
 FULL_WEIGHTS_MEMORY_SHARE = 0.5
+
+
+def check_sharding_arguments(use_gpu: bool, backend: Any, timeout: Any, full_weights_home: Any) -> None:
+    """The arguments every sharded strategy shares, refused here rather than in every worker."""
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, e.g. timedelta(minutes=30), got {timeout!r}.")
+    if backend is not None and (not isinstance(backend, str) or (backend.lower() == "nccl" and not use_gpu)):
+        raise ValueError(
+            f"process_group_backend={backend!r}: give 'gloo' (CPU, or GPU) or 'nccl' (needs use_gpu=True), "
+            "or leave it out to choose by device."
+        )
+    if full_weights_home is not None and not isinstance(full_weights_home, bool):
+        raise TypeError(f"full_weights_home must be True, False or None (decide by size), got {full_weights_home!r}.")
 
 
 class RankPartsMixin:

@@ -1,19 +1,24 @@
-"""What every ray_lightning strategy shares, whatever moves the gradients (DDP or Horovod).
+"""What every ray_lightning strategy shares, whatever moves the gradients (DDP, sharding or Horovod).
 
-:class:`RayWorkersMixin` goes first in a strategy's bases
-(``class RayStrategy(RayWorkersMixin, DDPStrategy)``). It owns the description of the workers
-(:class:`~ray_lightning.config.WorkerResources` and the time bounds), hands Lightning a
+:class:`RayWorkersMixin` goes first in a strategy's bases (``class RayStrategy(RayWorkersMixin)``,
+whose ``lightning_base = "strategies.DDPStrategy"``: :class:`ray_lightning.namespaces.PerNamespace`).
+It owns the record of the workers (:class:`~ray_lightning.config.workers.WorkerSpec`), hands Lightning a
 :class:`~ray_lightning.launch.launcher.RayLauncher` instead of a process launcher, keeps Lightning
 from choosing devices by the driver's hardware, and, inside a worker, answers rank and device
-questions from what the launcher decided (:meth:`RayWorkersMixin.attach_worker`). Lightning's
-private hooks it needs are overridden in :class:`~ray_lightning._lightning.LightningStrategyHooks`.
+questions from what the launcher decided (:meth:`RayWorkersMixin.attach_worker`).
+Lightning's private hooks it needs are overridden in :class:`~ray_lightning._lightning.LightningStrategyHooks`.
+
+Every strategy's constructor is decorated with :func:`worker_arguments`: the arguments that describe
+the workers (how many, what each reserves, the time bounds, the restarts, ``init_hook``) are written
+once, here (:data:`SHARED`), and each strategy's ``__init__`` names only its own.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -23,97 +28,138 @@ from typing_extensions import override
 
 from ray_lightning import _lightning, namespaces, runtime
 from ray_lightning._lightning import LightningStrategyHooks
-from ray_lightning.config import (
-    DEFAULT_PROGRESS_TIMEOUT_S,
-    RecoverySettings,
-    WorkerResources,
-    WorkerTimeouts,
-    check_init_hook,
-)
+from ray_lightning.config.resources import WorkerResources
+from ray_lightning.config.timeouts import DEFAULT_PROGRESS_TIMEOUT_S
+from ray_lightning.config.workers import WorkerSpec
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.launch.launcher import RayLauncher
 from ray_lightning.launch.network import interface_for, listener_environment
 from ray_lightning.launch.rendezvous import Rendezvous, TorchStoreRendezvous
 from ray_lightning.runtime import WorkerContext
-from ray_lightning.strategies.accelerator import RayAccelerator
+from ray_lightning.strategies.accelerator import WorkerAccelerator
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-
-# The constructor arguments every strategy's workers share (RayWorkersMixin._init_workers).
-WORKER_ARGUMENTS = (
-    "init_hook",
-    "placement_timeout_s",
-    "worker_start_timeout_s",
-    "keep_workers_alive_s",
-    "progress_timeout_s",
-    "scale_up_timeout_s",
-    "max_failures",
-    "recovery_checkpoint_every_n_steps",
+_P = inspect.Parameter
+# The arguments that describe a strategy's workers, as every strategy's signature shows them (LightningCLI
+# reads the annotations). ``num_workers`` comes first, then the
+# strategy's own positional arguments, the next four, its own keyword-only ones and the time bounds.
+_LEADING = (_P("num_workers", _P.POSITIONAL_OR_KEYWORD, default=1, annotation=int),)
+_RESOURCES = (
+    _P("num_cpus_per_worker", _P.POSITIONAL_OR_KEYWORD, default=1, annotation=float),
+    _P("use_gpu", _P.POSITIONAL_OR_KEYWORD, default=False, annotation=bool),
+    _P("resources_per_worker", _P.POSITIONAL_OR_KEYWORD, default=None, annotation=Mapping[str, float] | None),
+    _P("init_hook", _P.POSITIONAL_OR_KEYWORD, default=None, annotation=Callable[[], Any] | None),
 )
+_BOUNDS = (
+    *(
+        _P(name, _P.KEYWORD_ONLY, default=None, annotation=float | None)
+        for name in ("placement_timeout_s", "worker_start_timeout_s", "keep_workers_alive_s")
+    ),
+    _P("progress_timeout_s", _P.KEYWORD_ONLY, default=DEFAULT_PROGRESS_TIMEOUT_S, annotation=float | None),
+    _P("scale_up_timeout_s", _P.KEYWORD_ONLY, default=None, annotation=float | None),
+    _P("max_failures", _P.KEYWORD_ONLY, default=None, annotation=int | None),
+    _P("recovery_checkpoint_every_n_steps", _P.KEYWORD_ONLY, default=None, annotation=int | None),
+)
+SHARED = (*_LEADING, *_RESOURCES, *_BOUNDS)
 
 
-class RayWorkersMixin(LightningStrategyHooks):
+def worker_arguments(
+    defaults: Mapping[str, Any] | None = None, fixed: Mapping[str, Any] | None = None
+) -> Callable[[Callable], Callable]:
+    """Decorate a strategy's ``__init__(self, <its own arguments>)``: its public signature gets :data:`SHARED` too.
+
+    Before the decorated body runs, the shared arguments are checked and kept as ``self.workers``
+    (:class:`~ray_lightning.config.workers.WorkerSpec`, made by the class's :meth:`RayWorkersMixin.worker_spec`),
+    and every argument as ``self.init_arguments`` (a Trainer of the other Lightning package rebuilds the
+    strategy from them). ``defaults``: shared arguments whose default differs for this strategy;
+    ``fixed``: shared arguments the strategy decides (left out of its signature), with their values.
+
+    Example::
+
+        @worker_arguments(fixed={"keep_workers_alive_s": 0.0})
+        def __init__(self, *, stage: int = 2, **deepspeed_kwargs: Any) -> None: ...
+    """
+    defaults, fixed = dict(defaults or {}), dict(fixed or {})
+
+    def decorate(init: Callable) -> Callable:
+        signature = _public_signature(init, defaults, fixed)
+        shared = [p.name for p in SHARED if p.name not in fixed]
+        var_keyword = next((p.name for p in signature.parameters.values() if p.kind == _P.VAR_KEYWORD), None)
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            own = {name: value for name, value in bound.arguments.items() if name != "self"}
+            extra = own.pop(var_keyword, {}) if var_keyword else {}
+            self.init_arguments = {**own, **extra}
+            self.use_workers(type(self).worker_spec({n: own.pop(n) for n in shared} | fixed, own))
+            init(self, **own, **extra)
+            # Whatever Lightning's __init__ set: the ranks come from where Ray placed the workers.
+            self.cluster_environment = namespaces.member(RayEnvironment, self.namespace)(self.num_workers)
+
+        __init__.__signature__ = signature  # type: ignore[attr-defined]
+        __init__.__annotations__ = {p.name: p.annotation for p in signature.parameters.values()}
+        return __init__
+
+    return decorate
+
+
+def _public_signature(init: Callable, defaults: dict[str, Any], fixed: dict[str, Any]) -> inspect.Signature:
+    self_parameter, *own = inspect.signature(init).parameters.values()
+
+    def shared(group: tuple[inspect.Parameter, ...]) -> list[inspect.Parameter]:
+        return [_with_default(p, defaults[p.name]) if p.name in defaults else p for p in group if p.name not in fixed]
+
+    kinds = {kind: [p for p in own if p.kind == kind] for kind in (_P.POSITIONAL_OR_KEYWORD, _P.KEYWORD_ONLY)}
+    return inspect.Signature(
+        [
+            self_parameter,
+            *shared(_LEADING),
+            *kinds[_P.POSITIONAL_OR_KEYWORD],
+            *shared(_RESOURCES),
+            *kinds[_P.KEYWORD_ONLY],
+            *shared(_BOUNDS),
+            *(p for p in own if p.kind == _P.VAR_KEYWORD),
+        ]
+    )
+
+
+def _with_default(parameter: inspect.Parameter, default: Any) -> inspect.Parameter:
+    annotation = parameter.annotation
+    if default is None and isinstance(annotation, type):
+        annotation = annotation | None
+    return parameter.replace(default=default, annotation=annotation)
+
+
+class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
     """Workers on Ray actors for a Lightning ``ParallelStrategy`` subclass; see the module docstring."""
 
-    # The accelerator the Trainer gets with this strategy (the classic form of the same workers).
-    accelerator_class: type[RayAccelerator] = RayAccelerator
+    # The name of the strategy (and of its accelerator form) in Lightning's registries: Trainer(strategy="ray").
+    registry_name: str
     # A Trainer of the other Lightning namespace uses a rebuild of this strategy: the caller's object
     # shows its restarts too (namespaces.rebuild_for).
     shared_with_rebuild = ("restarts",)
     _cluster_environment: RayEnvironment | None
-    # Set on each family member (ray_lightning.namespaces.family): the Lightning it subclasses.
     namespace: namespaces.Namespace
     init_arguments: dict[str, Any]
+    workers: WorkerSpec
 
-    def _init_workers(
-        self,
-        resources: WorkerResources,
-        init_hook: Callable[[], Any] | None,
-        *,
-        placement_timeout_s: float | None = None,
-        worker_start_timeout_s: float | None = None,
-        keep_workers_alive_s: float | None = None,
-        progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
-        scale_up_timeout_s: float | None = None,
-        max_failures: int | None = None,
-        recovery_checkpoint_every_n_steps: int | None = None,
-    ) -> None:
-        """Validate and keep the worker description; call before the Lightning strategy's ``__init__``."""
-        check_init_hook(init_hook)
-        timeouts = WorkerTimeouts.resolve(
-            placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s, progress_timeout_s, scale_up_timeout_s
-        )
-        self.resources = resources
-        self.init_hook = init_hook
-        self.placement_timeout_s = timeouts.placement_s
-        self.worker_start_timeout_s = timeouts.start_s
-        self.keep_workers_alive_s = timeouts.keep_alive_s
-        self.progress_timeout_s = timeouts.progress_s
-        self.scale_up_timeout_s = timeouts.scale_up_s
-        self.recovery = RecoverySettings.resolve(max_failures, recovery_checkpoint_every_n_steps)
+    @classmethod
+    def worker_spec(cls, shared: dict[str, Any], own: dict[str, Any]) -> WorkerSpec:
+        """The workers' record from the shared arguments (and, where a strategy counts its workers its own way,
+        from its own arguments ``own``: Horovod's hosts and slots)."""
+        return WorkerSpec.resolve(**shared)
+
+    def use_workers(self, workers: WorkerSpec) -> None:
+        """Keep ``workers``: called by the constructor (:func:`worker_arguments`) before the strategy's own code."""
+        self.workers = workers
         # Every restart of this strategy's workers inside its calls (ray_lightning.launch.recovery.Restart).
         self.restarts: list[Any] = []
         self._worker: WorkerContext | None = None
         self._rendezvous_store: Any = None
-
-    def init_workers_from(self, resources: WorkerResources, arguments: dict[str, Any]) -> None:
-        """:meth:`_init_workers` with the constructor's own arguments (its ``locals()``); those a strategy
-        does not take keep their defaults."""
-        self._init_workers(resources, **{k: arguments[k] for k in WORKER_ARGUMENTS if k in arguments})
-
-    @property
-    def max_failures(self) -> int:
-        """How many times one call may restart its workers (``max_failures``)."""
-        return self.recovery.max_failures
-
-    def keep_init_arguments(self, arguments: dict[str, Any], var_keyword: dict[str, Any]) -> None:
-        """Keep the constructor's arguments (from its ``locals()``): a Trainer of the other Lightning
-        namespace rebuilds this strategy from them (:func:`ray_lightning.namespaces.rebuild_for`)."""
-        parameters = inspect.signature(type(self).__init__).parameters.values()
-        named = [p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"]
-        self.init_arguments = {**{name: arguments[name] for name in named}, **var_keyword}
 
     def warn(self, message: str) -> None:
         """Warn once, from rank 0, as Lightning does."""
@@ -125,6 +171,45 @@ class RayWorkersMixin(LightningStrategyHooks):
         parameters = inspect.signature(cls.__init__).parameters.items()
         named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         return {name for name, p in parameters if p.kind in named and name != "self"}
+
+    # -- what the workers are, as users read it ----------------------------------------------------
+
+    @property
+    def resources(self) -> WorkerResources:
+        return self.workers.resources
+
+    @property
+    def init_hook(self) -> Callable[[], Any] | None:
+        return self.workers.init_hook
+
+    @property
+    def recovery(self) -> Any:
+        return self.workers.recovery
+
+    @property
+    def max_failures(self) -> int:
+        """How many times one call may restart its workers (``max_failures``)."""
+        return self.workers.recovery.max_failures
+
+    @property
+    def placement_timeout_s(self) -> float:
+        return self.workers.timeouts.placement_s
+
+    @property
+    def worker_start_timeout_s(self) -> float:
+        return self.workers.timeouts.start_s
+
+    @property
+    def keep_workers_alive_s(self) -> float:
+        return self.workers.timeouts.keep_alive_s
+
+    @property
+    def progress_timeout_s(self) -> float | None:
+        return self.workers.timeouts.progress_s
+
+    @property
+    def scale_up_timeout_s(self) -> float:
+        return self.workers.timeouts.scale_up_s
 
     # -- configuration seen on the driver --------------------------------------------------------
 
@@ -151,6 +236,11 @@ class RayWorkersMixin(LightningStrategyHooks):
         """How this strategy's workers meet: torch.distributed's TCPStore, opened by rank 0."""
         return TorchStoreRendezvous()
 
+    @property
+    def collective_errors(self) -> tuple[type[BaseException], ...]:
+        """What its collectives raise, besides torch's ``DistError``, when a peer went away (launch.failures)."""
+        return ()
+
     @override
     def make_launcher(self) -> RayLauncher:
         return RayLauncher(self)
@@ -159,12 +249,12 @@ class RayWorkersMixin(LightningStrategyHooks):
         """Refuse, on the driver and before any worker starts, a Trainer this strategy cannot run."""
 
     @override
-    def choose_accelerator(self, accelerator: Any) -> RayAccelerator:
+    def choose_accelerator(self, accelerator: Any) -> WorkerAccelerator:
         # Lightning assigns the accelerator it chose from the driver's hardware; the workers'
         # reserved GPUs decide instead.
         return self._accelerator_for_trainer(accelerator)
 
-    def prepare_for_trainer(self, requested: Any) -> RayAccelerator:
+    def prepare_for_trainer(self, requested: Any) -> WorkerAccelerator:
         """Called as a Trainer is built with this strategy: returns the accelerator it should use."""
         accelerator = self._accelerator_for_trainer(requested)
         # A strategy reused for another Trainer still holds what Lightning gave it last time, which
@@ -173,9 +263,9 @@ class RayWorkersMixin(LightningStrategyHooks):
         self.parallel_devices = None
         return accelerator
 
-    def _accelerator_for_trainer(self, requested: Any) -> RayAccelerator:
+    def _accelerator_for_trainer(self, requested: Any) -> WorkerAccelerator:
         """What the Trainer should use when this strategy is given with ``accelerator=requested``."""
-        if isinstance(requested, RayAccelerator):
+        if isinstance(requested, WorkerAccelerator):
             if not requested.belongs_to(self):
                 raise ValueError(
                     f"Pass either accelerator={type(requested).__name__}(...) or strategy="
@@ -191,7 +281,9 @@ class RayWorkersMixin(LightningStrategyHooks):
                 f"{'CUDA' if self.use_gpu else 'CPU'} because the workers reserve "
                 f"{self.resources.gpus:g} GPU each (use_gpu / resources_per_worker decide)."
             )
-        return namespaces.sibling(self.accelerator_class, self.namespace).for_strategy(self)
+        # This strategy's accelerator form: registered under the same name (strategies.register).
+        form = self.namespace.pl("accelerators.AcceleratorRegistry")[self.registry_name]["accelerator"]
+        return form.for_strategy(self)
 
     @property
     def cluster_environment(self) -> RayEnvironment | None:

@@ -29,7 +29,7 @@ Decisions:
 * ``WANDB_SERVICE`` (the driver's W&B service socket) never reaches a worker: it is not forwarded,
   and a worker that inherited it (a local Ray started after ``wandb.init``) drops it for the call.
 * ``WANDB_*``, ``MLFLOW_*`` and ``COMET_*`` variables are forwarded to the workers
-  (:data:`ray_lightning.config.FORWARDED_ENV_PREFIXES`), as Lightning's DDP processes inherit them:
+  (:data:`ray_lightning.launch.contexts.FORWARDED_ENV_PREFIXES`), as Lightning's DDP processes inherit them:
   ``WANDB_MODE=offline``, ``MLFLOW_ALLOW_FILE_STORE`` and API keys set on the driver hold on
   every node.
 * MLflow: the driver creates the run (as before); a local store is made absolute, and a rank 0
@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray_lightning import namespaces
 from ray_lightning._lightning import loggers as lightning
-from ray_lightning.config import NOT_FORWARDED_ENV
+from ray_lightning.config.variables import NOT_FORWARDED_ENV
 from ray_lightning.home import files
 from ray_lightning.home.loggers import comet_archive, mlflow_store, wandb_run
 
@@ -109,7 +109,7 @@ def in_worker(trainer: pl.Trainer, staging: str | None) -> Iterator[None]:
         if rank_zero:
             try:
                 _close(trainer, staged_runs, failed=True)
-            except Exception:  # noqa: BLE001 - the call's own failure is what the driver must see
+            except Exception:  # the call's own failure is what the driver must see; this one is logged
                 log.exception("ray_lightning: could not close rank 0's loggers after the failure")
         raise
     if rank_zero:

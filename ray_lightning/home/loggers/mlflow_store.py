@@ -15,7 +15,6 @@ store does:
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,7 +140,7 @@ def _stage_artifacts(meta: str, staging: str, run_id: str) -> StagedRun | None:
     if artifacts is None or not os.path.isabs(artifacts):
         return None  # a server or bucket: rank 0 uploads there
     _set_artifact_uri_line(meta, f"artifact_uri: {_with_path(artifact_uri, files.to_staged(artifacts, staging))}\n")
-    _forget_artifact_repository(run_id)
+    lightning.forget_mlflow_artifact_repository(run_id)
     return StagedRun(meta, driver_line, run_id)
 
 
@@ -149,16 +148,7 @@ def leave(staged: StagedRun) -> None:
     """In rank 0, after the Trainer function: the staged run's ``artifact_uri`` is the driver's again."""
     if os.path.isfile(staged.meta):
         _set_artifact_uri_line(staged.meta, staged.driver_line)
-    _forget_artifact_repository(staged.run_id)
-
-
-def _forget_artifact_repository(run_id: str) -> None:
-    """MLflow keeps each run's artifact location per process: this call's staging directory is gone
-    after the call, and a reused worker must not write the next call's artifacts there."""
-    with contextlib.suppress(ImportError, AttributeError):
-        from mlflow.tracking._tracking_service import utils
-
-        utils._artifact_repos_cache.pop(run_id, None)
+    lightning.forget_mlflow_artifact_repository(staged.run_id)
 
 
 def _artifact_uri_line(meta: str) -> str | None:

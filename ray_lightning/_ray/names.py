@@ -1,0 +1,48 @@
+"""Every private Ray name of this folder, with where Ray keeps it (:data:`PRIVATE_NAMES`).
+
+``tests/test_ray_internals.py`` checks each still exists (connected to Ray: the GCS client exists
+only then) and names any that moved; it also checks that the autoscaler's keys (:mod:`.kv`) are
+still the ones Ray names, and its monitor scripts (:mod:`.state`) still where Ray keeps them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from ray_lightning._ray.kv import INTERNAL_KV, RAY_KEY_NAMES
+from ray_lightning._ray.logs import DISPATCHER, WORKER
+from ray_lightning._ray.state import AUTOSCALER_PB2, GLOBAL_STATE, UP_NODE_STATUSES
+from ray_lightning._torch.private import PrivateName
+
+_STREAMS = "global_worker_stdstream_dispatcher"
+# (module, the names on it we use; a dotted name is a path of attributes).
+ON_MODULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (DISPATCHER, (_STREAMS, f"{_STREAMS}._lock", f"{_STREAMS}.handlers")),
+    (
+        WORKER,
+        (
+            "_should_ignore_worker_log_prefix",
+            "global_worker",
+            "print_worker_logs",
+            "stdout_deduplicator.flush",
+            "stderr_deduplicator.flush",
+            "global_worker.gcs_client.get_cluster_status",  # set when the process connects to Ray
+        ),
+    ),
+    (GLOBAL_STATE, ("state.get_draining_nodes", "state.get_cluster_config")),
+    (INTERNAL_KV, ("_internal_kv_get", "_internal_kv_put", "_internal_kv_del")),
+    (AUTOSCALER_PB2, ("GetClusterStatusReply", *(f"NodeStatus.{status}" for status in UP_NODE_STATUSES))),
+    # Where Ray names the keys kv.py uses (their values are checked too).
+    *((module, (name,)) for module, name in sorted(set(RAY_KEY_NAMES.values()))),
+)
+
+
+def _module(path: str) -> Callable[[], Any]:
+    return lambda: importlib.import_module(path)
+
+
+PRIVATE_NAMES: tuple[PrivateName, ...] = tuple(
+    PrivateName(module, name, _module(module)) for module, names in ON_MODULES for name in names
+)

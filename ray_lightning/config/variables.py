@@ -1,0 +1,69 @@
+"""The ``RAY_LIGHTNING_*`` environment variables; a setting read from an argument, else its variable, else a default."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import threading
+from typing import Any
+
+# Environment variables that set a strategy argument the user left out.
+PLACEMENT_TIMEOUT_ENV = "RAY_LIGHTNING_PLACEMENT_TIMEOUT_S"
+WORKER_START_TIMEOUT_ENV = "RAY_LIGHTNING_WORKER_START_TIMEOUT_S"
+KEEP_WORKERS_ALIVE_ENV = "RAY_LIGHTNING_KEEP_WORKERS_ALIVE_S"
+PROGRESS_TIMEOUT_ENV = "RAY_LIGHTNING_PROGRESS_TIMEOUT_S"
+SCALE_UP_TIMEOUT_ENV = "RAY_LIGHTNING_SCALE_UP_TIMEOUT_S"
+MAX_FAILURES_ENV = "RAY_LIGHTNING_MAX_FAILURES"
+RECOVERY_EVERY_N_STEPS_ENV = "RAY_LIGHTNING_RECOVERY_CHECKPOINT_EVERY_N_STEPS"
+# Variables of the driver that are not forwarded to the workers (launch.contexts forwards the others it
+# names): they belong to the driver's process, such as the socket of its W&B service.
+NOT_FORWARDED_ENV = ("WANDB_SERVICE",)
+# What a variable says to switch a bound off.
+OFF = ("none", "off", "")
+# The longest wait Python's threads (and so every bound here) accept: about 292 years.
+MAX_SECONDS = threading.TIMEOUT_MAX
+
+
+def seconds(name: str, value: Any, env: str, default: float, zero_ok: bool = False) -> float:
+    """A time bound from the argument ``name``, else the variable ``env``, else ``default``."""
+    source = name
+    if value is None and env in os.environ:
+        source, raw = f"{env} (environment variable)", os.environ[env]
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{source} must be a number of seconds, got {raw!r}.") from None
+    elif value is None:
+        value = default
+    kind = "non-negative" if zero_ok else "positive"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{source} must be a {kind} number of seconds, got {value!r}.")
+    if not math.isfinite(value) or value > MAX_SECONDS:
+        raise ValueError(
+            f"{source} must be a finite number of seconds (at most {MAX_SECONDS:.0f}), got {value!r}; "
+            "for a very long bound give a large number such as 86400 (a day)."
+        )
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ValueError(f"{source} must be a {kind} number of seconds, got {value!r}.")
+    return float(value)
+
+
+def count(name: str, value: Any, env: str, default: int | None, minimum: int) -> int | None:
+    """A whole number from the argument ``name``, else the variable ``env``, else ``default``."""
+    source = name
+    if value is None and env in os.environ:
+        source, raw = f"{env} (environment variable)", os.environ[env]
+        if raw.strip().lower() in OFF and default is None:
+            return None
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{source} must be a whole number, got {raw!r}.") from None
+    elif value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{source} must be a whole number >= {minimum}, got {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{source} must be >= {minimum}, got {value!r}.")
+    return int(value)
