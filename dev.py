@@ -6,6 +6,7 @@
     python3 dev.py bench     # run the benchmarks (benchmarks/README.md; extra arguments go to it)
     python3 dev.py bench recovery   # restarts: recovery time against Ray Train, the checkpoints' cost
     python3 dev.py bench sharded    # RayFSDPStrategy against Lightning's own sharded training
+    python3 dev.py bench step       # a step of ~8 ms and the first fit: RayStrategy against ddp_spawn
     python3 dev.py matrix    # the smoke tests on every corner of the supported version window (README table)
 
 Extra arguments go to the example script or to pytest (`python3 dev.py example --horovod`);
@@ -51,7 +52,7 @@ HOROVOD_VERSION = "0.28.1"
 DEEPSPEED_VERSION = "0.19.8"
 WHEEL_CACHE = Path(os.environ.get("RAY_LIGHTNING_WHEEL_CACHE", Path.home() / ".cache" / "ray_lightning" / "wheels"))
 # `dev.py bench NAME` runs benchmarks/NAME.py instead of the training-speed benchmark (benchmarks/run.py).
-BENCHMARKS = ("recovery", "sharded")
+BENCHMARKS = ("recovery", "sharded", "step")
 # Everything whose change means the environment must be brought up to date.
 INSTALL_INPUTS = ("setup.py", "dev.py")
 

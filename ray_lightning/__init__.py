@@ -13,8 +13,12 @@ Example::
     trainer.fit(model)
 
 The package's layers, lowest first (each imports only those below it; ``tests/test_layers.py``):
-``namespaces``, ``errors``, ``config``, ``environment``, ``runtime``, ``_lightning``, ``channel``, ``home``,
-``launch``, ``strategies``, ``horovod``, ``tune``.
+``namespaces``, ``errors``, ``config``, ``environment``, ``runtime``, ``_torch``, ``_ray``, ``_lightning``,
+``channel``, ``home``, ``launch``, ``strategies``, ``horovod``, ``tune``.
+
+Where to look: a worker is started in :mod:`ray_lightning.launch.worker_group`; ranks come from
+:mod:`ray_lightning.environment`; a restart is decided in :mod:`ray_lightning.launch.failures`; results
+return through :mod:`ray_lightning.home.results`.
 """
 
 # First: with neither Lightning installed, this raises an ImportError that says what to install.

@@ -98,6 +98,8 @@ class WorkerContext:
     # A sharded strategy's rank 0's staging directory name (when it stages), on every rank: the checkpoint
     # paths rank 0 broadcasts are turned back into the driver's (home.files.local_path).
     rank_zero_staging: str | None = None
+    # The driver's niceness, which the worker's threads take during the call (launch.priority); None: Ray's.
+    niceness: int | None = None
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,9 @@ class RecoveryPlan:
 class ProgressMarker(Protocol):
     """Records this rank's progress (ray_lightning.channel.heartbeat.Heartbeat)."""
 
-    def mark(self, phase: str, detail: str = "", startup: bool = False) -> None:
-        """Entered ``phase`` (``detail``: where in it); ``startup`` phases are bounded by worker_start_timeout_s."""
+    def mark(self, phase: str, detail: str | tuple = "", startup: bool = False) -> None:
+        """Entered ``phase`` (``detail``: where in it, or ``(template, *values)`` to format when sent);
+        ``startup`` phases are bounded by worker_start_timeout_s."""
 
 
 _current: WorkerContext | None = None
@@ -147,8 +150,11 @@ def in_worker() -> bool:
     return _current is not None
 
 
-def mark_progress(phase: str, detail: str = "", startup: bool = False) -> None:
-    """Tell the driver's watchdog this rank entered ``phase``; a no-op where none listens."""
+def mark_progress(phase: str, detail: str | tuple = "", startup: bool = False) -> None:
+    """Tell the driver's watchdog this rank entered ``phase``; a no-op where none listens.
+
+    ``detail`` says where in it: a string, or ``(template, *values)``, formatted only when it is sent
+    (``("epoch {}, batch {}", epoch, batch)``: nothing is formatted per batch on the training thread)."""
     if _progress is not None:
         _progress.mark(phase, detail, startup)
 

@@ -15,7 +15,8 @@ one breaks one folder, and ``tests/test_lightning_internals.py`` names what move
 * :mod:`.sharded`: the device mesh's private homes, the sharded-checkpoint switch and fabric's
   loading helpers, for the sharded strategies.
 * :mod:`.loggers`: the private attributes of the W&B, MLflow and Comet loggers (their runs, where
-  they store them, what they logged), and W&B's pickling without a run.
+  they store them, what they logged), W&B's pickling without a run, and MLflow's own artifact-repository
+  cache (the one private name of a logger's library).
 
 :data:`PRIVATE_NAMES` lists all of them; a test checks each still exists.
 """

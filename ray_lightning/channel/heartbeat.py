@@ -3,7 +3,8 @@
 In a worker, :class:`Heartbeat` keeps a counter of the events the rank passed (the phases before
 training, then every batch's start, backward, optimizer step and end in every loop) and the last
 one's name. Marking an event is an integer increment and a tuple assignment: nothing is sent from
-the training thread. A daemon thread sends the newest state through the driver channel's queue at
+the training thread, and where the event is (epoch, batch) is kept as a template and its numbers,
+formatted only when the report is sent. A daemon thread sends the newest state through the driver channel's queue at
 most once per interval, and only when it changed, so a rank that stopped still has its last event
 delivered, and a rank that trains sends one small message per interval.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,7 +68,8 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ray_lightning-heartbeat", daemon=True)
 
-    def mark(self, phase: str, detail: str = "", startup: bool = False) -> None:
+    def mark(self, phase: str, detail: str | tuple = "", startup: bool = False) -> None:
+        """Entered ``phase``; ``detail`` is a string, or ``(template, *values)`` that :meth:`_send` formats."""
         # One assignment: the sending thread always reads a whole state.
         self._state = (self._state[0] + 1, phase, detail, startup)
 
@@ -86,6 +89,8 @@ class Heartbeat:
         if count == self._sent:
             return
         self._sent = count
+        if isinstance(detail, tuple):
+            detail = detail[0].format(*detail[1:])
         report = ProgressReport(self._rank, count, phase, detail, startup)
         with contextlib.suppress(Exception):  # the channel is gone once the call is over
             self._queue.actor.put_nowait.remote(report.to_message())
@@ -94,8 +99,19 @@ class Heartbeat:
 class HeartbeatCallback(*namespaces.every("callbacks.Callback")):
     """Marks every loop event of the Trainer on this rank (added to the worker's Trainer by the worker).
 
+    ``loop_started`` runs as each loop starts (the worker puts its SIGTERM handler back in front of
+    the Trainer's there, :class:`ray_lightning.launch.preemption.SigtermFirst`): one callback instead of
+    two, since Lightning calls every per-batch hook of every callback, overridden or not, in a profiler
+    section of its own. The per-batch marks keep their numbers for :meth:`Heartbeat._send` to format.
     A ``Callback`` of every installed Lightning namespace (:func:`ray_lightning.namespaces.every`).
     """
+
+    def __init__(self, loop_started: Callable[[], None] | None = None) -> None:
+        self._loop_started = loop_started
+
+    def _loop_start(self) -> None:
+        if self._loop_started is not None:
+            self._loop_started()
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -106,42 +122,58 @@ class HeartbeatCallback(*namespaces.every("callbacks.Callback")):
         runtime.mark_progress("sanity check")
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._loop_start()
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._loop_start()
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._loop_start()
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._loop_start()
+
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        runtime.mark_progress("training", f"epoch {trainer.current_epoch} start")
+        runtime.mark_progress("training", ("epoch {} start", trainer.current_epoch))
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        runtime.mark_progress("training", f"epoch {trainer.current_epoch}, batch {batch_idx}: training_step")
+        runtime.mark_progress("training", ("epoch {}, batch {}: training_step", trainer.current_epoch, batch_idx))
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        runtime.mark_progress("training", f"epoch {trainer.current_epoch}: backward")
+        runtime.mark_progress("training", ("epoch {}: backward", trainer.current_epoch))
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        runtime.mark_progress("training", f"epoch {trainer.current_epoch}: after backward")
+        runtime.mark_progress("training", ("epoch {}: after backward", trainer.current_epoch))
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        runtime.mark_progress("training", f"epoch {trainer.current_epoch}: optimizer step")
+        runtime.mark_progress("training", ("epoch {}: optimizer step", trainer.current_epoch))
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        runtime.mark_progress("training", f"epoch {trainer.current_epoch}, batch {batch_idx} done")
+        runtime.mark_progress("training", ("epoch {}, batch {} done", trainer.current_epoch, batch_idx))
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        runtime.mark_progress("training", f"epoch {trainer.current_epoch} end")
+        runtime.mark_progress("training", ("epoch {} end", trainer.current_epoch))
 
     @override
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        runtime.mark_progress(_loop_name(trainer, "validation"), f"batch {batch_idx}")
+        runtime.mark_progress(_loop_name(trainer, "validation"), ("batch {}", batch_idx))
 
     @override
     def on_validation_batch_end(
@@ -157,7 +189,7 @@ class HeartbeatCallback(*namespaces.every("callbacks.Callback")):
     def on_test_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        runtime.mark_progress("test", f"batch {batch_idx}")
+        runtime.mark_progress("test", ("batch {}", batch_idx))
 
     @override
     def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kw: Any) -> None:
@@ -167,7 +199,7 @@ class HeartbeatCallback(*namespaces.every("callbacks.Callback")):
     def on_predict_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        runtime.mark_progress("predict", f"batch {batch_idx}")
+        runtime.mark_progress("predict", ("batch {}", batch_idx))
 
     @override
     def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kw: Any) -> None:

@@ -31,6 +31,7 @@ from ray_lightning.home import files, loggers
 from ray_lightning.home.predictions import PredictionRecorder
 from ray_lightning.home.recovery import RecoveryCheckpoints, RestoreRandomStates
 from ray_lightning.home.results import WorkerOutput, collect_worker_output
+from ray_lightning.launch import priority
 from ray_lightning.launch.payload import with_checkpoint_path
 from ray_lightning.launch.preemption import PreemptionWatch, SigtermFirst, where_this_runs
 from ray_lightning.launch.weights_out import WeightsAside, take_weights
@@ -55,6 +56,7 @@ class WorkerCall:
         context = self.context
         self._saved_environment = dict(os.environ)  # this call's variables, and those it sets itself, go afterwards
         _set_environment(context)
+        priority.hold(context.niceness)  # the driver's, not Ray's (launch.priority)
         for path in context.driver_sys_path:
             if path not in sys.path and os.path.isdir(path):
                 sys.path.append(path)
@@ -102,8 +104,10 @@ class WorkerCall:
                 recorder = PredictionRecorder()
                 trainer.callbacks.append(recorder)
             if context.progress_interval_s is not None:
-                trainer.callbacks.append(HeartbeatCallback())
-            trainer.callbacks.append(SigtermFirst(self._watch))
+                # One callback puts the SIGTERM handler back in front and marks progress (HeartbeatCallback).
+                trainer.callbacks.append(HeartbeatCallback(loop_started=self._watch.install))
+            else:
+                trainer.callbacks.append(SigtermFirst(self._watch))
             # Rank 0 closes its runs before they are collected.
             logging_runs = loggers.in_worker(trainer, staging if rank_zero else None)
             with readable_output(rank_zero, progress_to_driver=context.driver_queue is not None), logging_runs:
@@ -129,6 +133,7 @@ class WorkerCall:
         self._strategy = self._store = None
         os.environ.clear()
         os.environ.update(self._saved_environment)
+        priority.release()  # Ray's, while the process waits for the next call
         gc.collect()
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # a waiting worker should not hold cached GPU memory

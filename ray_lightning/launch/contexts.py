@@ -17,7 +17,7 @@ from ray_lightning.environment import WorkerRank, assign_cuda_devices, shares_a_
 from ray_lightning.home.files import StagingArea
 from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.rendezvous import RendezvousPoint
-from ray_lightning.launch.session import driver_sys_path
+from ray_lightning.launch.session import driver_niceness, driver_sys_path
 from ray_lightning.runtime import CheckpointFile, RecoveryPlan, TorchFlags, WorkerContext
 
 # Environment variables of the driver that Lightning reads in the workers (seed, deterministic flags),
@@ -72,6 +72,7 @@ def build_contexts(
     rank_zero = next(info for rank, info in zip(ranks, infos) if rank.global_rank == 0)
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES) and k not in NOT_FORWARDED_ENV}
     sys_path = driver_sys_path()
+    niceness = driver_niceness()
     # Trainer(deterministic=..., benchmark=...) set these in this process only.
     torch_flags = TorchFlags.capture()
     local_checkpoint, remote_checkpoint = checkpoint
@@ -96,6 +97,7 @@ def build_contexts(
             output_marker=call.marker_of(rank.global_rank),
             num_machines=len({i.node_ip for i in infos}),
             recovery=recovery if recovery is None or rank.global_rank == 0 else replace(recovery, seed=None),
+            niceness=niceness,
         )
         for rank, info, (visible, index) in zip(ranks, infos, devices)
     ]

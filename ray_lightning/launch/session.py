@@ -7,6 +7,8 @@ import sys
 
 import ray
 
+from ray_lightning.launch.priority import current_niceness
+
 
 def ensure_ray_initialized() -> None:
     """Use the Ray this process is connected to, else ``RAY_ADDRESS``'s cluster, else start a local one."""
@@ -27,6 +29,14 @@ def driver_node_id() -> str | None:
     if ray.util.client.ray.is_connected():
         return None
     return ray.get_runtime_context().get_node_id()
+
+
+def driver_niceness() -> int | None:
+    """The niceness the workers take during a call (:mod:`.priority`); None for a Ray Client, whose process is
+    no part of the cluster."""
+    if ray.util.client.ray.is_connected():
+        return None
+    return current_niceness()
 
 
 def driver_sys_path() -> tuple[str, ...]:

@@ -1,0 +1,142 @@
+"""The small-step benchmark: what RayStrategy adds to a training step of a few milliseconds, and to the first fit.
+
+    .venv/bin/python -m benchmarks.step            # from the repository root; see benchmarks/README.md
+
+A step of 8-9 ms (the MLP of :mod:`benchmarks.workload`, narrower; 2 workers on 2 cores) shows a
+per-step cost that the main benchmark's 25 ms step hides. The harness of :mod:`benchmarks.run`: one
+local Ray cluster owned by this process, the same threads per process, round-robin over the
+contenders, each measurement a fresh driver process (:mod:`benchmarks.step_measure`) that runs one
+fit: its first, Ray up before the timer starts. Writes ``<out>/<name>.json`` (every sample) and
+``<out>/<name>.md`` and prints the markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks import run
+from benchmarks.contenders import BASELINE, CONTENDERS
+from benchmarks.report import Metric, cell, summarize
+from benchmarks.step_measure import STEP_CONTENDERS, StepSpec
+
+METRICS = (
+    Metric("step_ms", "step, ms", ".2f"),
+    Metric("step_cpu_ms", "step CPU, ms", ".2f"),
+    Metric("fit_s", "fit, s", ".2f"),
+    Metric("first_step_s", "fit → 1st step, s", ".2f"),
+    Metric("launch_s", "launch, s", ".2f"),
+    Metric("return_s", "return, s", ".2f"),
+)
+# (the target, the metric, the largest ratio of medians against ddp_spawn that meets it)
+TARGETS = (
+    ("steady-state step within 2% of ddp_spawn", "step_ms", 1.02),
+    ("fit no slower than ddp_spawn", "fit_s", 1.0),
+)
+_SIZES = ("steps", "warmup", "batch_size", "hidden")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5, help="fresh driver processes per contender (default 5)")
+    parser.add_argument("--workers", type=int, default=2, help="training processes per fit (default 2)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps of the fit (300)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps left out of the step time (30)")
+    parser.add_argument("--batch-size", type=int, default=None, help="per worker (128)")
+    parser.add_argument("--hidden", type=int, default=None, help="width of the MLP's hidden layers (384)")
+    run.add_run_options(parser, STEP_CONTENDERS, "step-<start time>")
+    args = run.parse_run_options(parser, argv, STEP_CONTENDERS)
+    args.spec = run.sized(StepSpec.tiny() if args.tiny else StepSpec(), {k: getattr(args, k) for k in _SIZES})
+    args.spec.workers = args.workers
+    return args
+
+
+def build(results: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
+    """Per contender: each metric's samples, median, spread and ratio of medians against ddp_spawn."""
+    table = {}
+    for name in order:
+        runs = [r for r in results if r["contender"] == name]
+        if runs:
+            metrics = {m.key: summarize([r["metrics"][m.key] for r in runs]) for m in METRICS}
+            table[name] = {"label": CONTENDERS[name].label, "repeats": len(runs), "metrics": metrics}
+    base = table.get(BASELINE)
+    for entry in table.values():
+        for key, summary in entry["metrics"].items():
+            reference = base["metrics"][key] if base else None
+            if summary is not None and reference is not None and reference["median"]:
+                summary["ratio_vs_" + BASELINE] = summary["median"] / reference["median"]
+    return table
+
+
+def targets(table: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target for every ray_lightning contender: met, missed, or unknown (no ddp_spawn to compare with)."""
+    rows = []
+    for what, key, bound in TARGETS:
+        for name in (n for n in table if n != BASELINE and n.startswith("ray")):
+            ratio = (table[name]["metrics"][key] or {}).get("ratio_vs_" + BASELINE)
+            status = "unknown" if ratio is None else ("met" if ratio <= bound else "missed")
+            rows.append({"target": what, "contender": name, "metric": key, "ratio": ratio, "status": status})
+    return rows
+
+
+def markdown(document: dict[str, Any]) -> str:
+    spec, machine, table = document["spec"], document["machine"], document["table"]
+    lines = [
+        f"{spec['workers']} workers, one fit of {spec['steps']} steps per driver process (step: median after "
+        f"{spec['warmup']}), batch {spec['batch_size']}, MLP {spec['features']}-{spec['hidden']}-{spec['hidden']}-"
+        f"{spec['classes']}; {document['repeats']} repeat(s). Machine: {machine['cpus']} CPUs; torch "
+        f"{machine['torch']}, Lightning {machine['pytorch_lightning']}, Ray {machine['ray']}; "
+        f"{machine['threads_per_process']} torch thread(s) per process.",
+        "",
+        f"Cells: median (min–max) ×ratio of medians against {BASELINE}. launch = `fit` called → rank 0's "
+        "`on_fit_start`; return = rank 0's `on_fit_end` → `fit` returned; step CPU = rank 0's process.",
+        "",
+        "| contender | " + " | ".join(m.title for m in METRICS) + " |",
+        "| --- |" + " ---: |" * len(METRICS),
+    ]
+    for entry in table.values():
+        cells = [cell(entry["metrics"][m.key], m.fmt) for m in METRICS]
+        lines.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
+    if document["targets"]:
+        lines += ["", "| target | contender | ratio | status |", "| --- | --- | ---: | --- |"]
+        for row in document["targets"]:
+            ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.3f}"
+            lines.append(f"| {row['target']} | {CONTENDERS[row['contender']].label} | {ratio} | {row['status']} |")
+    lines += [f"- failed: {e['contender']}, repeat {e['repeat'] + 1}" for e in document["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    spec = args.spec
+    threads = run._threads_per_process(spec.workers)
+    name = args.name or time.strftime("step-%Y%m%d-%H%M%S")
+    out = Path(args.out)
+    logs = out / "logs" / name
+    logs.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    results, errors = run._measure_all(args, spec, run._environment(threads), logs, entry="benchmarks.step_measure")
+    table = build(results, args.contenders.split(","))
+    document = {
+        "name": name,
+        "command": " ".join(["python", "-m", "benchmarks.step", *(sys.argv[1:] if argv is None else argv)]),
+        "duration_s": time.time() - started,
+        "repeats": args.repeats,
+        "spec": asdict(spec),
+        "machine": run._machine(threads),
+        "table": table,
+        "targets": targets(table),
+        "errors": errors,
+        "measurements": results,
+    }
+    return run.publish(document, markdown(document), out, logs)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, run._exit_on_sigterm)
+    sys.exit(main())
