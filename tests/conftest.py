@@ -40,6 +40,7 @@ def connected_cluster(*worker_nodes: dict) -> Iterator[Cluster]:
     """This process connected to a new ``ray.cluster_utils.Cluster``: a 1-CPU head (the driver's node)
     and one node per ``add_node`` keyword dict; shut down afterwards (the session's local Ray
     starts again on the next ``ray_local``)."""
+    _stop_waiting_workers()
     ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     for node in worker_nodes:
@@ -76,10 +77,28 @@ def _isolate_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
-@pytest.fixture(autouse=True)
-def _release_idle_workers():
-    # Workers kept alive after a test's last fit would hold CPUs the next test counts on.
-    yield
+def _stop_waiting_workers() -> None:
     import ray_lightning
 
     ray_lightning.release_idle_workers()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _share_waiting_workers_within_the_module():
+    """Workers a fit leaves waiting (``keep_workers_alive_s``) serve the module's next fit with the same
+    worker shape, as they serve a user's next fit: starting workers (new processes importing torch and
+    Lightning) is most of a small fit's time. Each module starts and ends without waiting workers."""
+    _stop_waiting_workers()
+    yield
+    _stop_waiting_workers()
+
+
+@pytest.fixture
+def no_waiting_workers():
+    """For a test that needs the cluster to itself: it counts worker actors or free CPUs, or runs Tune
+    trials or raw Ray actors on all the CPUs. Stops the workers an earlier test of the module left
+    waiting, and waits until their actors are gone."""
+    _stop_waiting_workers()
+    if ray.is_initialized():
+        wait_for(lambda: not alive_worker_actors(), 30, "the workers earlier tests left waiting to stop")
+    yield

@@ -1,12 +1,14 @@
 """A user's driver script connected through Ray Client; run by tests/test_cluster_cli.py in its own process.
 
-    python tests/ray_client_driver.py ray://HOST:PORT SUMMARY.json [--relative] [--resources JSON]
+    python tests/ray_client_driver.py ray://HOST:PORT RUNS.json
 
-Trains on 2 Ray workers (each reserving ``--resources``, which picks the node they run on) with a
-ModelCheckpoint, a CSVLogger and a TensorBoardLogger whose save_dir is ``logs/`` in this process's
-working directory: as an absolute path, or with ``--relative`` as the relative path users often
-write. It checks nothing itself: it writes what a
-user would look at on this machine into SUMMARY.json, and the test asserts on that.
+Connects once, then runs each fit RUNS.json lists (``{"workdir", "summary", "resources", "relative"}``),
+one after another as a user's session would: from ``workdir`` as its working directory, it trains on
+2 Ray workers (each reserving ``resources``, which picks the node they run on) with a
+ModelCheckpoint, a CSVLogger and a TensorBoardLogger whose save_dir is ``logs/`` in that working
+directory: as an absolute path, or with ``relative`` as the relative path users often write. It
+checks nothing itself: it writes what a user would look at on this machine into each run's
+``summary`` file, and the tests assert on those.
 """
 
 from __future__ import annotations
@@ -119,22 +121,30 @@ def train(save_dir: str, resources: dict[str, float]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("address")
-    parser.add_argument("summary")
-    parser.add_argument("--relative", action="store_true", help="loggers' save_dir 'logs' instead of its absolute path")
-    parser.add_argument("--resources", type=json.loads, default={"CPU": 1}, help="resources_per_worker, as JSON")
+    parser.add_argument("runs", help="a JSON file: a list of {workdir, summary, resources, relative}")
     args = parser.parse_args()
+    with open(args.runs) as f:
+        runs = json.load(f)
     try:
         ray.init(args.address)
     except BaseException:  # noqa: BLE001 - the test reads what went wrong from the summary
-        summary = {"error": traceback.format_exc(), "stage": "connect"}
-    else:
+        summaries = [{"error": traceback.format_exc(), "stage": "connect"}] * len(runs)
+        for run, summary in zip(runs, summaries):
+            _write(run["summary"], summary)
+        return
+    for run in runs:
+        os.chdir(run["workdir"])
         try:
-            summary = train("logs" if args.relative else os.path.abspath("logs"), args.resources)
+            summary = train("logs" if run["relative"] else os.path.abspath("logs"), run["resources"])
         except BaseException:  # noqa: BLE001 - as above
             summary = {"error": traceback.format_exc(), "stage": "fit"}
-    with open(args.summary, "w") as f:
-        json.dump(summary, f, indent=2)
+        _write(run["summary"], summary)
     ray.shutdown()
+
+
+def _write(path: str, summary: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=2)
 
 
 if __name__ == "__main__":

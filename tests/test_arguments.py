@@ -315,6 +315,25 @@ def test_arguments_ray_strategy_decides_may_be_given_as_none():
     assert strategy._ddp_kwargs == {"static_graph": True}
 
 
+def test_the_signature_lists_what_is_passed_on_and_passes_on_only_what_was_given():
+    import inspect
+
+    from ray_lightning import RayFSDP1Strategy
+
+    parameters = inspect.signature(RayStrategy).parameters
+    # What LightningCLI offers: DDPStrategy's and DistributedDataParallel's arguments, keyword-only...
+    for name in ("find_unused_parameters", "static_graph", "ddp_comm_hook", "timeout"):
+        assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+    assert parameters["find_unused_parameters"].default is False
+    # ...less those RayStrategy decides.
+    assert not {"process_group", "module", "device_ids", "cluster_environment", "start_method"} & set(parameters)
+    assert inspect.signature(RayFSDP1Strategy).parameters["state_dict_type"].default == "full"
+    # Defaults of passed-on arguments stay Lightning's and torch's to apply: only the given ones travel.
+    assert RayStrategy(num_workers=2, bucket_cap_mb=10)._ddp_kwargs == {"bucket_cap_mb": 10}
+    with pytest.raises(TypeError, match=r"'find_unused_parameter' \(did you mean 'find_unused_parameters'\?\)"):
+        RayStrategy(find_unused_parameter=True)
+
+
 def test_per_worker_resources_read_back_as_in_ray_lightning_0_3():
     from ray_lightning import HorovodRayStrategy
 

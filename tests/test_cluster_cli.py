@@ -165,48 +165,60 @@ def client_cluster():
         yield cluster
 
 
-def _run_client_driver(cluster: CliCluster, workdir: Path, node: str, relative: bool) -> dict:
-    """tests/ray_client_driver.py in a process of its own (this one has its own Ray); returns its summary.
+# The three Ray Client fits the tests below check: (workers' node, loggers' save_dir relative).
+CLIENT_RUNS = {"absolute": ("worker", False), "relative": ("worker", True), "head": ("head", True)}
 
-    Its workers run on ``node`` ("head" or "worker"); with ``relative`` its loggers' save_dir is
-    relative, so rank 0 writes under its own node's working directory instead of ``workdir``, as
-    it would on another machine.
+
+@pytest.fixture(scope="module")
+def client_reports(client_cluster, tmp_path_factory) -> dict[str, tuple[dict, Path, str]]:
+    """tests/ray_client_driver.py in a process of its own (this one has its own Ray), connected once for
+    the fits of CLIENT_RUNS, one after another as in a user's session, each from a working directory of
+    its own; per run, its summary, that directory and the end of the driver's and the client server's logs.
+
+    Workers on ``node`` ("head" or "worker"); with ``relative`` the loggers' save_dir is relative, so
+    rank 0 writes under its own node's working directory instead of the driver's, as it would on
+    another machine.
     """
-    summary = workdir / "summary.json"
-    flags = ["--resources", json.dumps({"CPU": 1, f"{node}_slot": 1})] + (["--relative"] if relative else [])
+    base = tmp_path_factory.mktemp("client")
+    runs = []
+    for name, (node, relative) in CLIENT_RUNS.items():
+        (base / name).mkdir()
+        resources = {"CPU": 1, f"{node}_slot": 1}
+        runs.append({"workdir": str(base / name), "summary": str(base / f"{name}.json"), "resources": resources,
+                     "relative": relative})  # fmt: skip
+    (base / "runs.json").write_text(json.dumps(runs))
     for attempt in (1, 2):
         result = subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "tests" / "ray_client_driver.py"),
-                cluster.client_address,
-                str(summary),
-                *flags,
-            ],
-            cwd=workdir,
-            env={**cluster.env, "PYTHONPATH": str(ROOT)},
+            [sys.executable, str(ROOT / "tests" / "ray_client_driver.py"), client_cluster.client_address,
+             str(base / "runs.json")],
+            cwd=base,
+            env={**client_cluster.env, "PYTHONPATH": str(ROOT)},
             capture_output=True,
             text=True,
-            timeout=270,
-        )
+            timeout=500,
+        )  # fmt: skip
         output = result.stdout + result.stderr
-        server_logs = cluster.log_tails("ray_client_server*.err")
-        assert summary.is_file(), (
-            f"the driver wrote no summary (exit code {result.returncode}):\n{output[-8000:]}\n{server_logs}"
-        )
-        report = json.loads(summary.read_text())
+        server_logs = client_cluster.log_tails("ray_client_server*.err")
+        missing = [run["summary"] for run in runs if not Path(run["summary"]).is_file()]
+        assert not missing, f"no summary {missing} (exit code {result.returncode}):\n{output[-8000:]}\n{server_logs}"
+        reports = {name: json.loads(Path(run["summary"]).read_text()) for name, run in zip(CLIENT_RUNS, runs)}
         # The client server starts a server process per client on a port from 23000-24000, a range
         # every Ray Client server on this machine (other test sessions') picks from; its start
         # failed now and then here. That is Ray's, before any training: connect once more.
-        if attempt == 1 and report.get("stage") == "connect" and "client server failed" in report["error"]:
-            print(f"Ray Client connection failed, retrying:\n{report['error']}\n{server_logs}", file=sys.stderr)
+        first = reports["absolute"]
+        if attempt == 1 and first.get("stage") == "connect" and "client server failed" in first["error"]:
+            print(f"Ray Client connection failed, retrying:\n{first['error']}\n{server_logs}", file=sys.stderr)
             continue
         break
-    assert "error" not in report, (
-        f"Ray Client {report['stage']} failed:\n{report['error']}\n{output[-4000:]}\n{server_logs}"
-    )
     assert result.returncode == 0, output[-8000:]
-    return report
+    return {name: (reports[name], base / name, f"{output[-4000:]}\n{server_logs}") for name in CLIENT_RUNS}
+
+
+def _client_run(client_reports: dict, name: str) -> tuple[dict, Path]:
+    """The summary of Ray Client run ``name`` and its working directory; fails with what went wrong."""
+    report, workdir, diagnostics = client_reports[name]
+    assert "error" not in report, f"Ray Client {report['stage']} failed:\n{report['error']}\n{diagnostics}"
+    return report, workdir
 
 
 class NotOnDriver(AssertionError):
@@ -240,31 +252,31 @@ def _check_client_fit(report: dict, workdir: Path) -> None:
     assert len(rows) - 1 == 8 + 2, csv
 
 
-@pytest.mark.timeout(300)
-def test_ray_client_fit_brings_back_weights_metrics_checkpoints_and_logs(client_cluster, tmp_path):
+@pytest.mark.timeout(600)
+def test_ray_client_fit_brings_back_weights_metrics_checkpoints_and_logs(client_reports):
     """Loggers' save_dir an absolute path in the driver's working directory; workers on the worker node."""
-    report = _run_client_driver(client_cluster, tmp_path, node="worker", relative=False)
-    _check_client_fit(report, tmp_path)
-    assert all(Path(d).is_relative_to(tmp_path) for d in report["log_dirs"].values()), report["log_dirs"]
+    report, workdir = _client_run(client_reports, "absolute")
+    _check_client_fit(report, workdir)
+    assert all(Path(d).is_relative_to(workdir) for d in report["log_dirs"].values()), report["log_dirs"]
     # Rank 0 ran on another node than the driver's (the head, for Ray): the launcher sent the
     # checkpoints back.
     assert report["best_model_path"] in report["transferred_files"], report["transferred_files"]
 
 
-@pytest.mark.timeout(300)
-def test_ray_client_fit_with_relative_save_dir(client_cluster, tmp_path):
+@pytest.mark.timeout(600)
+def test_ray_client_fit_with_relative_save_dir(client_reports):
     """``save_dir="logs"`` means the driver's working directory, although rank 0 runs elsewhere."""
-    report = _run_client_driver(client_cluster, tmp_path, node="worker", relative=True)
+    report, workdir = _client_run(client_reports, "relative")
     assert report["best_model_path"] in report["transferred_files"], report["transferred_files"]
-    _check_client_fit(report, tmp_path)
+    _check_client_fit(report, workdir)
 
 
-@pytest.mark.timeout(300)
-def test_ray_client_fit_with_rank_zero_on_the_head(client_cluster, tmp_path):
+@pytest.mark.timeout(600)
+def test_ray_client_fit_with_rank_zero_on_the_head(client_reports):
     """``save_dir="logs"`` with the workers on the head node, where Ray places the client's driver: the
     client's machine is still another one, so the files come back."""
-    report = _run_client_driver(client_cluster, tmp_path, node="head", relative=True)
-    _check_client_fit(report, tmp_path)
+    report, workdir = _client_run(client_reports, "head")
+    _check_client_fit(report, workdir)
 
 
 # -- stopping one cluster leaves every other Ray alone ----------------------------------------------
@@ -276,13 +288,13 @@ def _ping() -> str:
 
 
 @pytest.mark.timeout(240)
-def test_stopping_a_cli_cluster_stops_only_that_cluster(ray_local):
-    with CliCluster.start(num_cpus=0) as other:
-        with CliCluster.start(num_cpus=0) as stopped:
-            sessions = {node.process.pid for node in stopped.nodes}
-            assert processes_in_sessions(sessions)
-        assert not processes_in_sessions(sessions), "processes of the stopped cluster are still running"
-        assert not stopped.temp_dir.exists()
-        assert all(node.process.poll() is None for node in other.nodes)
-        assert len(other.alive_nodes()) == 1, "the other cluster stopped answering"
-        assert ray.get(_ping.remote(), timeout=120) == "pong", "the test session's own Ray stopped working"
+def test_stopping_a_cli_cluster_stops_only_that_cluster(ray_local, two_node_cluster):
+    other = two_node_cluster  # another CLI cluster on this machine, already running for the jobs above
+    with CliCluster.start(num_cpus=0) as stopped:
+        sessions = {node.process.pid for node in stopped.nodes}
+        assert processes_in_sessions(sessions)
+    assert not processes_in_sessions(sessions), "processes of the stopped cluster are still running"
+    assert not stopped.temp_dir.exists()
+    assert all(node.process.poll() is None for node in other.nodes)
+    assert len(other.alive_nodes()) == len(other.nodes) == 2, "the other cluster stopped answering"
+    assert ray.get(_ping.remote(), timeout=120) == "pong", "the test session's own Ray stopped working"

@@ -37,13 +37,22 @@ def ddp_weights():
     return model.state_dict()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_trains_the_same_weights_as_ddp_and_brings_them_home(ddp_weights, stage, tmp_path):
+@pytest.fixture(scope="module", params=[2, 3])
+def zero_fit(request, tmp_path_factory):
+    """A 2-epoch ZeRO fit of the MLP at stage ``request.param``, with its checkpoints: the stage's test of
+    what comes home and (stage 3) the test that resumes from its checkpoint share it."""
     pl.seed_everything(0)
     model = MLP()
-    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt")
-    trainer = _trainer(RayDeepSpeedStrategy(num_workers=2, stage=stage), logger=False, callbacks=[checkpoint])
+    directory = tmp_path_factory.mktemp(f"zero{request.param}")
+    checkpoint = ModelCheckpoint(dirpath=directory / "ckpt")
+    strategy = RayDeepSpeedStrategy(num_workers=2, stage=request.param)
+    trainer = _trainer(strategy, logger=False, callbacks=[checkpoint])
     trainer.fit(model)
+    return model, trainer, checkpoint, directory
+
+
+def test_zero_trains_the_same_weights_as_ddp_and_brings_them_home(ddp_weights, zero_fit):
+    model, trainer, checkpoint, directory = zero_fit
     weights = model.state_dict()
     assert all(t.numel() > 0 for t in weights.values()), "full weights on the driver, not ZeRO-3 partitions"
     torch.testing.assert_close(weights, ddp_weights)
@@ -55,19 +64,19 @@ def test_zero_trains_the_same_weights_as_ddp_and_brings_them_home(ddp_weights, s
     # It converts to one file with Lightning's tool, which load_from_checkpoint reads: the weights that came home.
     from pytorch_lightning.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
-    single = tmp_path / "single.ckpt"
+    single = directory / "single.ckpt"
     convert_zero_checkpoint_to_fp32_state_dict(best, single)
     torch.testing.assert_close(MLP.load_from_checkpoint(single).state_dict(), weights)
 
 
-def test_a_checkpoint_resumes_training_and_the_model_tests(tmp_path):
-    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt")
-    first = _trainer(RayDeepSpeedStrategy(num_workers=2, stage=3), max_epochs=1, callbacks=[checkpoint])
-    first.fit(MLP())
+@pytest.mark.parametrize("zero_fit", [3], indirect=True)
+def test_a_checkpoint_resumes_training_and_the_model_tests(zero_fit):
+    _, first, checkpoint, _ = zero_fit  # 2 epochs at stage 3; its checkpoint is the last epoch's
     resumed = _trainer(RayDeepSpeedStrategy(num_workers=2, stage=3), max_epochs=3, logger=False)
     model = MLP()
     resumed.fit(model, ckpt_path=checkpoint.best_model_path)
-    assert (resumed.current_epoch, resumed.global_step) == (3, 3 * first.global_step)
+    assert first.current_epoch == 2
+    assert (resumed.current_epoch, resumed.global_step) == (3, 3 * first.global_step // 2)
     # test after fit: DeepSpeed's inference engine on the same workers' device ranks.
     (result,) = resumed.test(model, verbose=False)
     assert result["test_loss"] > 0
@@ -107,6 +116,7 @@ def test_without_deepspeed_the_error_says_what_to_install(monkeypatch):
         RayDeepSpeedStrategy(num_workers=2)
 
 
+@pytest.mark.usefixtures("no_waiting_workers")
 def test_tune_checkpoints_are_refused_before_any_worker_starts():
     callbacks = [TuneReportCallback("val_loss"), TuneReportCheckpointCallback("val_loss")]
     trainer = _trainer(RayDeepSpeedStrategy(num_workers=2), logger=False, callbacks=callbacks)

@@ -144,6 +144,7 @@ def test_hosts_the_cluster_does_not_have_fail_at_once():
         trainer.fit(BoringModel())
 
 
+@pytest.mark.usefixtures("no_waiting_workers")
 def test_gradient_accumulation_scheduler_is_refused_before_launch():
     trainer = _trainer(
         strategy=HorovodRayStrategy(num_workers=2), callbacks=[GradientAccumulationScheduler({0: 1, 1: 2})]
@@ -409,9 +410,10 @@ def test_repeated_fits_with_one_strategy_continue_training_and_leave_no_actors()
     strategy = HorovodRayStrategy(num_workers=2, keep_workers_alive_s=0)
     model = BoringModel()
     losses = []
-    for _ in range(3):
+    # Two rounds: the second fit reuses the strategy after a test call, from the weights the first brought home.
+    for _ in range(2):
         trainer = _trainer(max_epochs=1, strategy=strategy)
         trainer.fit(model)
         losses.append(trainer.test(model)[0]["test_loss"])
         wait_for(lambda: not alive_worker_actors(), 30, "this round's actors to be gone")
-    assert losses[2] < losses[0], "training did not continue from the driver's weights"
+    assert losses[1] < losses[0], "training did not continue from the driver's weights"

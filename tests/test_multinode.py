@@ -71,56 +71,6 @@ def test_ranks_data_and_checkpoints_across_nodes(two_node_cluster, tmp_path):
     assert json.loads((tmp_path / "staging-mode.json").read_text()) == {"rank": 0, "mode": 0o700}
 
 
-def test_placement_spreads_when_one_node_is_not_enough(two_node_cluster, tmp_path):
-    # 3 workers, 2 slots per node: PACK fills one node and puts the third worker on the other.
-    strategy = RayStrategy(num_workers=3, resources_per_worker={"CPU": 1, "worker_slot": 1})
-    trainer = pl.Trainer(
-        max_epochs=1, strategy=strategy, callbacks=[Recorder(tmp_path)], logger=False, enable_progress_bar=False
-    )
-    trainer.fit(BoringModel())
-    starts = read_records(tmp_path, "fit", "start")
-    per_node = defaultdict(list)
-    for s in starts:
-        per_node[s["node_id"]].append((s["global_rank"], s["local_rank"], s["node_rank"]))
-    assert sorted(len(v) for v in per_node.values()) == [1, 2]
-    assert sorted(g for v in per_node.values() for g, _, _ in v) == [0, 1, 2]
-
-
-def test_horovod_hosts_and_slots_put_each_hosts_workers_on_one_node(two_node_cluster, tmp_path):
-    pytest.importorskip("horovod.torch", reason="Horovod is not installed: `python3 dev.py test` builds it")
-    strategy = HorovodRayStrategy(num_hosts=2, num_slots=2, resources_per_worker={"CPU": 1, "worker_slot": 1})
-    trainer = pl.Trainer(
-        max_epochs=1, strategy=strategy, callbacks=[HorovodRanks(tmp_path)], logger=False, enable_progress_bar=False
-    )
-    model = BoringModel()
-    before = model.layer.weight.clone()
-    trainer.fit(model)
-
-    assert not torch.equal(before, model.layer.weight)
-    records = read_records(tmp_path, "fit", "horovod")
-    assert [(r["global_rank"], r["hvd_rank"], r["hvd_size"]) for r in records] == [(i, i, 4) for i in range(4)]
-    nodes = [r["node_id"] for r in records]
-    assert nodes[0] == nodes[1] != nodes[2] == nodes[3], "a host's slots did not land on one node"
-    assert ray.get_runtime_context().get_node_id() not in nodes
-    # Horovod's own view of the layout: local ranks within a host, cross ranks across hosts.
-    layout = [(r["hvd_local_rank"], r["hvd_local_size"], r["hvd_cross_rank"], r["hvd_cross_size"]) for r in records]
-    assert layout == [(0, 2, 0, 2), (1, 2, 0, 2), (0, 2, 1, 2), (1, 2, 1, 2)]
-
-
-def test_horovod_with_uneven_nodes(two_node_cluster, tmp_path):
-    pytest.importorskip("horovod.torch", reason="Horovod is not installed: `python3 dev.py test` builds it")
-    # 3 packed workers on nodes with 2 slots each: two on one node, one on the other.
-    strategy = HorovodRayStrategy(num_workers=3, resources_per_worker={"CPU": 1, "worker_slot": 1})
-    trainer = pl.Trainer(
-        max_epochs=1, strategy=strategy, callbacks=[HorovodRanks(tmp_path)], logger=False, enable_progress_bar=False
-    )
-    trainer.fit(BoringModel())
-    records = read_records(tmp_path, "fit", "horovod")
-    assert [r["hvd_rank"] for r in records] == [0, 1, 2]
-    assert sorted(r["hvd_local_size"] for r in records) == [1, 2, 2]
-    assert "val_loss" in trainer.callback_metrics
-
-
 class RestoredFrom(pl.Callback):
     """Records, per rank, the checkpoint file Lightning restored from and whether it was readable there."""
 
@@ -159,6 +109,56 @@ def test_resume_sends_the_drivers_checkpoint_to_workers_on_other_nodes(two_node_
     assert all(os.path.basename(p) == os.path.basename(last) for p in paths)
     assert {r["epoch"] for r in records} == {1}
     assert not any(os.path.exists(p) for p in paths), "the copies should be removed after the fit"
+
+
+def test_placement_spreads_when_one_node_is_not_enough(two_node_cluster, tmp_path):
+    # 3 workers, 2 slots per node: PACK fills one node and puts the third worker on the other.
+    strategy = RayStrategy(num_workers=3, resources_per_worker={"CPU": 1, "worker_slot": 1})
+    trainer = pl.Trainer(
+        max_epochs=1, strategy=strategy, callbacks=[Recorder(tmp_path)], logger=False, enable_progress_bar=False
+    )
+    trainer.fit(BoringModel())
+    starts = read_records(tmp_path, "fit", "start")
+    per_node = defaultdict(list)
+    for s in starts:
+        per_node[s["node_id"]].append((s["global_rank"], s["local_rank"], s["node_rank"]))
+    assert sorted(len(v) for v in per_node.values()) == [1, 2]
+    assert sorted(g for v in per_node.values() for g, _, _ in v) == [0, 1, 2]
+
+
+def test_horovod_with_uneven_nodes(two_node_cluster, tmp_path):
+    pytest.importorskip("horovod.torch", reason="Horovod is not installed: `python3 dev.py test` builds it")
+    # 3 packed workers on nodes with 2 slots each: two on one node, one on the other.
+    strategy = HorovodRayStrategy(num_workers=3, resources_per_worker={"CPU": 1, "worker_slot": 1})
+    trainer = pl.Trainer(
+        max_epochs=1, strategy=strategy, callbacks=[HorovodRanks(tmp_path)], logger=False, enable_progress_bar=False
+    )
+    trainer.fit(BoringModel())
+    records = read_records(tmp_path, "fit", "horovod")
+    assert [r["hvd_rank"] for r in records] == [0, 1, 2]
+    assert sorted(r["hvd_local_size"] for r in records) == [1, 2, 2]
+    assert "val_loss" in trainer.callback_metrics
+
+
+def test_horovod_hosts_and_slots_put_each_hosts_workers_on_one_node(two_node_cluster, tmp_path):
+    pytest.importorskip("horovod.torch", reason="Horovod is not installed: `python3 dev.py test` builds it")
+    strategy = HorovodRayStrategy(num_hosts=2, num_slots=2, resources_per_worker={"CPU": 1, "worker_slot": 1})
+    trainer = pl.Trainer(
+        max_epochs=1, strategy=strategy, callbacks=[HorovodRanks(tmp_path)], logger=False, enable_progress_bar=False
+    )
+    model = BoringModel()
+    before = model.layer.weight.clone()
+    trainer.fit(model)
+
+    assert not torch.equal(before, model.layer.weight)
+    records = read_records(tmp_path, "fit", "horovod")
+    assert [(r["global_rank"], r["hvd_rank"], r["hvd_size"]) for r in records] == [(i, i, 4) for i in range(4)]
+    nodes = [r["node_id"] for r in records]
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3], "a host's slots did not land on one node"
+    assert ray.get_runtime_context().get_node_id() not in nodes
+    # Horovod's own view of the layout: local ranks within a host, cross ranks across hosts.
+    layout = [(r["hvd_local_rank"], r["hvd_local_size"], r["hvd_cross_rank"], r["hvd_cross_size"]) for r in records]
+    assert layout == [(0, 2, 0, 2), (1, 2, 0, 2), (0, 2, 1, 2), (1, 2, 1, 2)]
 
 
 def test_logs_and_checkpoints_of_rank_zero_on_another_node_land_on_the_driver(two_node_cluster, tmp_path):

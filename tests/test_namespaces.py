@@ -103,8 +103,9 @@ def test_fit_test_predict_with_this_namespace(name, ray_local, tmp_path):
     assert torch.allclose(predictions[0], expected, atol=1e-6), "predictions out of dataset order"
 
 
-@pytest.mark.parametrize("form", ["RayAccelerator", "strategy='ray'", "accelerator='ray'"])
+# Form outermost: the forms with the same workers (the 1-worker registry defaults) run one after another.
 @pytest.mark.parametrize("name", INSTALLED)
+@pytest.mark.parametrize("form", ["RayAccelerator", "strategy='ray'", "accelerator='ray'"])
 def test_every_form_with_this_namespace(name, form, ray_local):
     pl = lightning(name)
     kwargs = {

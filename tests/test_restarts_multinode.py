@@ -56,9 +56,9 @@ def three_worker_nodes(cluster):
     return cluster
 
 
-def _trainer(directory, **strategy_kwargs) -> pl.Trainer:
+def _trainer(directory, max_epochs: int = 3, **strategy_kwargs) -> pl.Trainer:
     return pl.Trainer(
-        max_epochs=3,
+        max_epochs=max_epochs,
         strategy=RayStrategy(num_workers=2, resources_per_worker=SLOT, **strategy_kwargs),
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -102,7 +102,10 @@ def test_losing_rank_zeros_node_mid_epoch_restarts_and_keeps_every_finished_epoc
     remover.join(timeout=60)
 
     (restart,) = trainer.strategy.restarts
-    assert restart.rank in (0, 1) and restart.reason in ("worker died", "collective broken by a peer's loss")
+    # "node lost" once Ray marks the node dead; "worker died" if the actor's death is seen first; rank 1's
+    # broken collective if its error arrives before rank 0's death.
+    reasons = ("node lost", "worker died", "collective broken by a peer's loss")
+    assert restart.rank in (0, 1) and restart.reason in reasons, restart
     assert (restart.epoch, restart.global_step) == (1, 4)
     # The same training as without the failure: same weights, every epoch's checkpoint on this machine
     # (rank 0 wrote epoch 0's on the node that is gone), and the log of every step.
@@ -149,8 +152,9 @@ def test_a_node_drained_for_preemption_gets_a_checkpoint_before_it_goes(three_wo
         _drain(node, deadline_s=60)
 
     remover = _when_marked(marker, drain)
-    trainer = _trainer(tmp_path, max_failures=1)
-    trainer.fit(MarksWhereItIs(marker, rank=1, epoch=0, batch=1, size=256))  # 16 steps per epoch
+    # Drained at the second step of epoch 0 (of 16): restarted mid-epoch 0, then the fit trains on to its end.
+    trainer = _trainer(tmp_path, max_epochs=2, max_failures=1)
+    trainer.fit(MarksWhereItIs(marker, rank=1, epoch=0, batch=1, size=256))
     remover.join(timeout=60)
 
     (restart,) = trainer.strategy.restarts
@@ -158,4 +162,4 @@ def test_a_node_drained_for_preemption_gets_a_checkpoint_before_it_goes(three_wo
     assert restart.reason == "preempted" and "is being drained" in restart.cause and node[:8] in restart.cause
     # Rank 0 checkpointed mid-epoch 0, a few steps after the drain: the restart loses only those.
     assert restart.epoch == 0 and step <= restart.global_step <= step + 8
-    assert (trainer.current_epoch, trainer.global_step) == (3, 48)
+    assert (trainer.current_epoch, trainer.global_step) == (2, 32)

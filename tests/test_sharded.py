@@ -101,6 +101,7 @@ def test_sizes_and_options_that_cannot_work_fail_in_the_constructor(make, error,
         make()
 
 
+@pytest.mark.usefixtures("no_waiting_workers")
 def test_model_parallel_without_configure_model_fails_before_any_worker_starts():
     trainer = pl.Trainer(strategy=RayModelParallelStrategy(num_workers=2), logger=False, enable_checkpointing=False)
     with pytest.raises(TypeError, match="override configure_model.*RayFSDPStrategy"):
@@ -119,6 +120,7 @@ def test_the_strategies_are_in_lightnings_registry():
     assert isinstance(trainer.strategy, pl.strategies.FSDPStrategy) and trainer.strategy.use_gpu
 
 
+@pytest.mark.usefixtures("no_waiting_workers")
 def test_fsdp1_on_a_cluster_without_gpus_fails_before_any_worker_starts():
     from ray_lightning import ClusterResourceError
 

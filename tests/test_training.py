@@ -228,13 +228,6 @@ def test_prepare_data_runs_once_per_node(tmp_path):
     assert len(list(marks.iterdir())) == 1
 
 
-def test_actor_resources_follow_the_request(tmp_path):
-    strategy = RayStrategy(num_workers=2, num_cpus_per_worker=1, resources_per_worker={"CPU": 2, "custom_accel": 1})
-    _trainer(max_epochs=1, strategy=strategy, callbacks=[Recorder(tmp_path)]).fit(BoringModel())
-    starts = read_records(tmp_path, "fit", "start")
-    assert [s["resources"] for s in starts] == [{"CPU": 2.0, "custom_accel": 1.0}] * 2
-
-
 def test_precision_and_determinism_settings_reach_the_workers(tmp_path):
     trainer = _trainer(
         max_epochs=1,
@@ -322,48 +315,6 @@ def test_killed_worker_gives_an_error_not_a_hang():
     wait_for(lambda: not alive_worker_actors(), 30, "the killed fit's actors to be gone")
 
 
-def test_repeated_fits_and_tests_leave_no_actors_without_keep_alive():
-    model = BoringModel()
-    losses = []
-    for _ in range(3):
-        trainer = _trainer(max_epochs=1, strategy=RayStrategy(num_workers=2, keep_workers_alive_s=0))
-        trainer.fit(model)
-        losses.append(trainer.test(model)[0]["test_loss"])
-        wait_for(lambda: not alive_worker_actors(), 30, "this round's actors to be gone")
-    assert losses[2] < losses[0], "training did not continue from the driver's weights"
-
-
-class UnpicklableModel(BoringModel):
-    def __init__(self):
-        super().__init__()
-        self.lock = threading.Lock()
-
-
-def test_unpicklable_module_names_the_attribute():
-    trainer = _trainer(max_epochs=1, strategy=RayStrategy(num_workers=2))
-    with pytest.raises(TypeError, match=r"UnpicklableModel\.lock.*cannot be pickled"):
-        trainer.fit(UnpicklableModel())
-    assert not alive_worker_actors()
-
-
-class CountsPickling:
-    """Counts, in the driver process, how often it is pickled."""
-
-    count = 0
-
-    def __getstate__(self):
-        type(self).count += 1
-        return {}
-
-
-def test_trainer_and_module_are_serialized_once_for_all_workers():
-    model = BoringModel()
-    model.probe = CountsPickling()
-    CountsPickling.count = 0
-    _trainer(max_epochs=1, strategy=RayStrategy(num_workers=3)).fit(model)
-    assert CountsPickling.count == 1
-
-
 def test_logger_output_is_where_the_drivers_logger_points(tmp_path):
     from pytorch_lightning.loggers import CSVLogger
 
@@ -399,3 +350,57 @@ def test_concurrent_fits_on_one_node_get_their_own_rendezvous(tmp_path):
     masters = {name: {s["master"] for s in read_records(tmp_path, name, "start")} for name in ("a", "b")}
     assert len(masters["a"]) == len(masters["b"]) == 1, "the workers of one fit must share one rendezvous"
     assert masters["a"] != masters["b"]
+
+
+def test_repeated_fits_and_tests_leave_no_actors_without_keep_alive():
+    model = BoringModel()
+    losses = []
+    # Two rounds: the second fit starts after a test call, from the weights the first fit brought home.
+    for _ in range(2):
+        trainer = _trainer(max_epochs=1, strategy=RayStrategy(num_workers=2, keep_workers_alive_s=0))
+        trainer.fit(model)
+        losses.append(trainer.test(model)[0]["test_loss"])
+        wait_for(lambda: not alive_worker_actors(), 30, "this round's actors to be gone")
+    assert losses[1] < losses[0], "training did not continue from the driver's weights"
+
+
+class UnpicklableModel(BoringModel):
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
+
+
+@pytest.mark.usefixtures("no_waiting_workers")
+def test_unpicklable_module_names_the_attribute():
+    trainer = _trainer(max_epochs=1, strategy=RayStrategy(num_workers=2))
+    with pytest.raises(TypeError, match=r"UnpicklableModel\.lock.*cannot be pickled"):
+        trainer.fit(UnpicklableModel())
+    assert not alive_worker_actors()
+
+
+# -- other worker shapes: last, so that the tests above share the waiting 2-worker group ----------------
+
+
+def test_actor_resources_follow_the_request(tmp_path):
+    strategy = RayStrategy(num_workers=2, num_cpus_per_worker=1, resources_per_worker={"CPU": 2, "custom_accel": 1})
+    _trainer(max_epochs=1, strategy=strategy, callbacks=[Recorder(tmp_path)]).fit(BoringModel())
+    starts = read_records(tmp_path, "fit", "start")
+    assert [s["resources"] for s in starts] == [{"CPU": 2.0, "custom_accel": 1.0}] * 2
+
+
+class CountsPickling:
+    """Counts, in the driver process, how often it is pickled."""
+
+    count = 0
+
+    def __getstate__(self):
+        type(self).count += 1
+        return {}
+
+
+def test_trainer_and_module_are_serialized_once_for_all_workers():
+    model = BoringModel()
+    model.probe = CountsPickling()
+    CountsPickling.count = 0
+    _trainer(max_epochs=1, strategy=RayStrategy(num_workers=3)).fit(model)
+    assert CountsPickling.count == 1

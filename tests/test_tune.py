@@ -86,24 +86,6 @@ def train_boring(config, strategy_class=RayStrategy):
     trainer.fit(EpochModel(lr=config["lr"]))
 
 
-def test_tune_run_reports_each_validation_and_finds_the_best_config(tmp_path):
-    analysis = tune.run(
-        train_boring,
-        config={"lr": tune.grid_search([0.0, 0.05])},
-        metric="loss",
-        mode="min",
-        resources_per_trial=get_tune_resources(num_workers=2),
-        storage_path=str(tmp_path),
-        verbose=0,
-    )
-    # One report per validation epoch (3), none for the sanity check.
-    assert [t.last_result["training_iteration"] for t in analysis.trials] == [3, 3]
-    assert [t.last_result["epoch"] for t in analysis.trials] == [2.0, 2.0]
-    assert analysis.best_config == {"lr": 0.05}
-    losses = {t.config["lr"]: t.last_result["loss"] for t in analysis.trials}
-    assert losses[0.05] < losses[0.0]
-
-
 def train_with_checkpoints(config, strategy_class=RayStrategy):
     trainer = _trainer(
         [TuneReportCheckpointCallback({"loss": "val_loss"}, filename="model.ckpt")],
@@ -259,24 +241,33 @@ class CheckIn(pl.Callback):
 
 
 def train_concurrently(config):
-    callbacks = [CheckIn(f"trial-{config['lr']}"), TuneReportCallback({"loss": "val_loss"})]
-    _trainer(callbacks, max_epochs=2).fit(BoringModel(lr=config["lr"]))
+    callbacks = [CheckIn(f"trial-{config['lr']}"), TuneReportCallback({"loss": "val_loss", "epoch": "epoch_seen"})]
+    _trainer(callbacks).fit(EpochModel(lr=config["lr"]))
 
 
-def test_two_multi_worker_trials_train_at_once_with_their_own_rendezvous(tmp_path):
+def test_two_trials_train_at_once_with_their_own_rendezvous_report_each_validation_and_the_best_wins(tmp_path):
+    """Two multi-worker trials train at once (each waits for the other at its start), each meeting its
+    workers at its own rendezvous; Tune gets every validation of both and finds the better config."""
     meeting = Meeting.options(name="tune-meeting").remote(2)
     try:
         analysis = tune.run(
             train_concurrently,
-            config={"lr": tune.grid_search([0.01, 0.05])},
+            config={"lr": tune.grid_search([0.0, 0.05])},
+            metric="loss",
+            mode="min",
             resources_per_trial=get_tune_resources(num_workers=2),
             storage_path=str(tmp_path),
             verbose=0,
         )
         assert [t.status for t in analysis.trials] == ["TERMINATED", "TERMINATED"]
-        assert [t.last_result["training_iteration"] for t in analysis.trials] == [2, 2]
+        # One report per validation epoch (3), none for the sanity check.
+        assert [t.last_result["training_iteration"] for t in analysis.trials] == [3, 3]
+        assert [t.last_result["epoch"] for t in analysis.trials] == [2.0, 2.0]
+        assert analysis.best_config == {"lr": 0.05}
+        losses = {t.config["lr"]: t.last_result["loss"] for t in analysis.trials}
+        assert losses[0.05] < losses[0.0]
         ports = ray.get(meeting.arrive.remote("test", "-", 1))
-        assert len({ports["trial-0.01"], ports["trial-0.05"]}) == 2, ports
+        assert len({ports["trial-0.0"], ports["trial-0.05"]}) == 2, ports
     finally:
         ray.kill(meeting)
 

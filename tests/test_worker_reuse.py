@@ -80,6 +80,37 @@ def test_the_next_fit_runs_on_the_same_workers_with_a_new_process_group(tmp_path
     wait_for(lambda: not alive_worker_actors(), 30, "the released workers to be gone")
 
 
+class SeenNiceness(pl.Callback):
+    """Records, in each worker, the niceness of every thread of its process while it trains."""
+
+    def __init__(self) -> None:
+        self.values: list[int] = []
+
+    def on_train_start(self, trainer, pl_module):
+        threads = os.listdir("/proc/self/task")
+        self.values = sorted({os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in threads})
+
+    def state_dict(self):
+        return {"values": self.values}
+
+    def load_state_dict(self, state):
+        self.values = state["values"]
+
+
+@pytest.mark.skipif(
+    not os.path.isdir("/proc/self/task") or os.geteuid() != 0, reason="a worker may lower its niceness only as root"
+)
+def test_workers_train_at_the_drivers_niceness_and_wait_at_rays(tmp_path):
+    seen = SeenNiceness()
+    _fit(BoringModel(), tmp_path, "fit", callbacks=[seen])
+    # Ray starts its workers at RAY_worker_niceness (15); during the call they take the driver's, as
+    # Lightning's ddp_spawn ranks would.
+    assert seen.values == [os.getpriority(os.PRIO_PROCESS, 0)]
+    rays = int(os.environ.get("RAY_worker_niceness", "15"))
+    for pid in _pids(tmp_path, "fit"):
+        wait_for(lambda pid=pid: os.getpriority(os.PRIO_PROCESS, pid) == rays, 30, "the idle worker at Ray's niceness")
+
+
 def test_test_and_predict_reuse_the_fits_workers(tmp_path):
     model = BoringModel()
     trainer = _fit(model, tmp_path, "fit")

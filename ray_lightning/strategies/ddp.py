@@ -9,15 +9,13 @@ each worker's node IP interface).
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
 from typing_extensions import override
 
-from ray_lightning import namespaces, runtime
+from ray_lightning import runtime
 from ray_lightning.config.arguments import check_keywords, refuse_decided
 from ray_lightning.config.resources import WorkerResources
 from ray_lightning.strategies import accelerator
@@ -36,22 +34,6 @@ _DECIDED = {
     "process_group": "process groups exist only in the workers; choose its backend with process_group_backend",
     "device_mesh": "process groups exist only in the workers",
 }
-_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-
-
-def _parameter_names(function: Callable) -> set[str]:
-    parameters = inspect.signature(function).parameters
-    return {n for n, p in parameters.items() if p.kind in _NAMED and n != "self"}
-
-
-@functools.cache
-def ddp_keywords(ns: namespaces.Namespace) -> frozenset[str]:
-    """What ``**ddp_kwargs`` may hold: the installed DDPStrategy's and DistributedDataParallel's arguments."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    ddp_strategy = ns.pl("strategies.DDPStrategy")
-    names = _parameter_names(ddp_strategy.__init__) | _parameter_names(DistributedDataParallel.__init__)
-    return frozenset(names - set(_DECIDED))
 
 
 def _check_ddp_kwargs(strategy: type, ddp_kwargs: Mapping[str, Any], resources: WorkerResources) -> dict[str, Any]:
@@ -138,7 +120,9 @@ class RayStrategy(RayWorkersMixin):
     registry_name = "ray"
     lightning_base = "strategies.DDPStrategy"
 
-    @worker_arguments()
+    @worker_arguments(
+        passes_on=("strategies.DDPStrategy", "torch.nn.parallel.DistributedDataParallel"), decided=_DECIDED
+    )
     def __init__(self, **ddp_kwargs: Any) -> None:
         ddp_kwargs = _check_ddp_kwargs(type(self), ddp_kwargs, self.resources)
         # The arguments set here by name are the ones RayStrategy decides; naming them also keeps
@@ -151,11 +135,6 @@ class RayStrategy(RayWorkersMixin):
             start_method="popen",
             **ddp_kwargs,
         )
-
-    @classmethod
-    @override
-    def accepted_keywords(cls) -> set[str]:
-        return super().accepted_keywords() | ddp_keywords(cls.namespace or namespaces.primary())
 
     @override
     def setup_distributed(self) -> None:

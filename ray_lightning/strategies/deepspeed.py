@@ -31,13 +31,12 @@ Decisions:
 from __future__ import annotations
 
 import importlib.util
-import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
 from typing_extensions import override
 
-from ray_lightning import namespaces, runtime
+from ray_lightning import runtime
 from ray_lightning.config.arguments import check_keywords, refuse_decided
 from ray_lightning.config.resources import WorkerResources
 from ray_lightning.strategies import accelerator
@@ -96,7 +95,11 @@ class RayDeepSpeedStrategy(RayWorkersMixin, RankPartsMixin):
 
     # Every call gets new worker processes: DeepSpeed keeps its process groups in module globals that
     # outlive a call's process group. Without restarts, no recovery checkpoints either.
-    @worker_arguments(fixed={"keep_workers_alive_s": 0.0, "recovery_checkpoint_every_n_steps": None})
+    @worker_arguments(
+        fixed={"keep_workers_alive_s": 0.0, "recovery_checkpoint_every_n_steps": None},
+        passes_on=("strategies.DeepSpeedStrategy",),
+        decided=_DECIDED,
+    )
     def __init__(self, *, stage: int = 2, full_weights_home: bool | None = None, **deepspeed_kwargs: Any) -> None:
         check_deepspeed_installed()
         deepspeed_kwargs = self._check_deepspeed_arguments(stage, full_weights_home, deepspeed_kwargs, self.resources)
@@ -126,14 +129,6 @@ class RayDeepSpeedStrategy(RayWorkersMixin, RankPartsMixin):
             resources.use_gpu, kwargs.get("process_group_backend"), kwargs.get("timeout"), full_weights_home
         )
         return kwargs
-
-    @classmethod
-    @override
-    def accepted_keywords(cls) -> set[str]:
-        ns = cls.namespace or namespaces.primary()
-        parameters = inspect.signature(ns.pl("strategies.DeepSpeedStrategy").__init__).parameters
-        theirs = {n for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        return (super().accepted_keywords() | theirs) - set(_DECIDED) - {"self"}
 
     @override
     def check_trainer(self, trainer: pl.Trainer) -> None:

@@ -18,12 +18,11 @@ Decisions:
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from typing_extensions import override
 
-from ray_lightning import namespaces, runtime
+from ray_lightning import runtime
 from ray_lightning.config.arguments import check_keywords, refuse_decided
 from ray_lightning.config.resources import WorkerResources
 from ray_lightning.runtime import WorkerContext
@@ -68,7 +67,11 @@ class RayFSDP1Strategy(RayWorkersMixin, FullCheckpointsMixin):
     registry_name = "fsdp1_ray"
     lightning_base = "strategies.FSDPStrategy"
 
-    @worker_arguments(defaults={"use_gpu": True})
+    @worker_arguments(
+        defaults={"use_gpu": True},
+        passes_on=("strategies.FSDPStrategy", "torch.distributed.fsdp.FullyShardedDataParallel"),
+        decided=_DECIDED,
+    )
     def __init__(self, *, full_weights_home: bool | None = None, **fsdp_kwargs: Any) -> None:
         fsdp_kwargs = self._check_fsdp1_arguments(self.resources, full_weights_home, fsdp_kwargs)
         self.full_weights_home = full_weights_home
@@ -91,18 +94,6 @@ class RayFSDP1Strategy(RayWorkersMixin, FullCheckpointsMixin):
         if kwargs.get("state_dict_type", "full") not in ("full", "sharded"):
             raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {kwargs['state_dict_type']!r}.")
         return kwargs
-
-    @classmethod
-    @override
-    def accepted_keywords(cls) -> set[str]:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        theirs = set()
-        ns = cls.namespace or namespaces.primary()
-        for function in (ns.pl("strategies.FSDPStrategy").__init__, FullyShardedDataParallel.__init__):
-            theirs |= {n for n, p in inspect.signature(function).parameters.items() if p.kind in named}
-        return (super().accepted_keywords() | theirs) - set(_DECIDED) - {"self"}
 
     @override
     def check_trainer(self, trainer: Any) -> None:

@@ -16,9 +16,10 @@ once, here (:data:`SHARED`), and each strategy's ``__init__`` names only its own
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -66,7 +67,10 @@ SHARED = (*_LEADING, *_RESOURCES, *_BOUNDS)
 
 
 def worker_arguments(
-    defaults: Mapping[str, Any] | None = None, fixed: Mapping[str, Any] | None = None
+    defaults: Mapping[str, Any] | None = None,
+    fixed: Mapping[str, Any] | None = None,
+    passes_on: tuple[str, ...] = (),
+    decided: Iterable[str] = (),
 ) -> Callable[[Callable], Callable]:
     """Decorate a strategy's ``__init__(self, <its own arguments>)``: its public signature gets :data:`SHARED` too.
 
@@ -75,24 +79,32 @@ def worker_arguments(
     and every argument as ``self.init_arguments`` (a Trainer of the other Lightning package rebuilds the
     strategy from them). ``defaults``: shared arguments whose default differs for this strategy;
     ``fixed``: shared arguments the strategy decides (left out of its signature), with their values.
+    ``passes_on``: what the strategy's ``**kwargs`` go to, as Lightning names (``"strategies.DDPStrategy"``)
+    or torch classes (``"torch.nn.parallel.DistributedDataParallel"``); their arguments, less ``decided``,
+    join the signature as keyword-only ones, passed on only when given.
 
     Example::
 
-        @worker_arguments(fixed={"keep_workers_alive_s": 0.0})
+        @worker_arguments(fixed={"keep_workers_alive_s": 0.0}, passes_on=("strategies.DeepSpeedStrategy",))
         def __init__(self, *, stage: int = 2, **deepspeed_kwargs: Any) -> None: ...
     """
     defaults, fixed = dict(defaults or {}), dict(fixed or {})
 
     def decorate(init: Callable) -> Callable:
-        signature = _public_signature(init, defaults, fixed)
+        signature, passed = _public_signature(init, defaults, fixed, passes_on, set(decided))
         shared = [p.name for p in SHARED if p.name not in fixed]
         var_keyword = next((p.name for p in signature.parameters.values() if p.kind == _P.VAR_KEYWORD), None)
 
         @functools.wraps(init)
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             bound = signature.bind(self, *args, **kwargs)
+            given = set(bound.arguments)
             bound.apply_defaults()
-            own = {name: value for name, value in bound.arguments.items() if name != "self"}
+            own = {
+                name: value
+                for name, value in bound.arguments.items()
+                if name != "self" and (name not in passed or name in given)
+            }
             extra = own.pop(var_keyword, {}) if var_keyword else {}
             self.init_arguments = {**own, **extra}
             self.use_workers(type(self).worker_spec({n: own.pop(n) for n in shared} | fixed, own))
@@ -107,24 +119,53 @@ def worker_arguments(
     return decorate
 
 
-def _public_signature(init: Callable, defaults: dict[str, Any], fixed: dict[str, Any]) -> inspect.Signature:
+def _public_signature(
+    init: Callable, defaults: dict[str, Any], fixed: dict[str, Any], passes_on: tuple[str, ...], decided: set[str]
+) -> tuple[inspect.Signature, set[str]]:
+    """The signature users see, and the names in it that are passed on only when given."""
     self_parameter, *own = inspect.signature(init).parameters.values()
 
     def shared(group: tuple[inspect.Parameter, ...]) -> list[inspect.Parameter]:
         return [_with_default(p, defaults[p.name]) if p.name in defaults else p for p in group if p.name not in fixed]
 
     kinds = {kind: [p for p in own if p.kind == kind] for kind in (_P.POSITIONAL_OR_KEYWORD, _P.KEYWORD_ONLY)}
-    return inspect.Signature(
-        [
-            self_parameter,
-            *shared(_LEADING),
-            *kinds[_P.POSITIONAL_OR_KEYWORD],
-            *shared(_RESOURCES),
-            *kinds[_P.KEYWORD_ONLY],
-            *shared(_BOUNDS),
-            *(p for p in own if p.kind == _P.VAR_KEYWORD),
-        ]
-    )
+    named = [
+        self_parameter,
+        *shared(_LEADING),
+        *kinds[_P.POSITIONAL_OR_KEYWORD],
+        *shared(_RESOURCES),
+        *kinds[_P.KEYWORD_ONLY],
+        *shared(_BOUNDS),
+    ]
+    passed = _passed_on(passes_on, {p.name for p in named} | decided)
+    signature = inspect.Signature([*named, *passed, *(p for p in own if p.kind == _P.VAR_KEYWORD)])
+    return signature, {p.name for p in passed}
+
+
+def _passed_on(targets: tuple[str, ...], taken: set[str]) -> list[inspect.Parameter]:
+    # Written out rather than left to **kwargs: LightningCLI (jsonargparse) follows **kwargs through the
+    # class's bases, and the public class has no Lightning base (namespaces.PerNamespace); the primary
+    # namespace's signatures serve both, as the two packages ship the same release.
+    found: dict[str, inspect.Parameter] = {}
+    for target in targets:
+        if target.startswith("torch."):
+            module, _, name = target.rpartition(".")
+            function = getattr(importlib.import_module(module), name).__init__
+        else:
+            function = namespaces.primary().pl(target).__init__
+        for p in _evaluated_signature(function).parameters.values():
+            if p.kind in (_P.POSITIONAL_OR_KEYWORD, _P.KEYWORD_ONLY) and p.name not in taken and p.name != "self":
+                found.setdefault(p.name, p.replace(kind=_P.KEYWORD_ONLY))
+    return list(found.values())
+
+
+def _evaluated_signature(function: Callable) -> inspect.Signature:
+    # Lightning writes its annotations as strings (PEP 563); evaluated where they were written, or left out.
+    try:
+        return inspect.signature(function, eval_str=True)
+    except Exception:  # noqa: BLE001 - a name only imported for type checking: no annotations
+        plain = inspect.signature(function)
+        return plain.replace(parameters=[p.replace(annotation=_P.empty) for p in plain.parameters.values()])
 
 
 def _with_default(parameter: inspect.Parameter, default: Any) -> inspect.Parameter:
