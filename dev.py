@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The project's two commands, needing only Python 3.10+ to start.
+"""The project's commands, needing only Python 3.10+ to start.
 
     python3 dev.py example   # train the main example on 2 Ray workers, print the metrics that came back
     python3 dev.py test      # run the whole test suite (extra arguments go to pytest)
@@ -8,6 +8,7 @@
     python3 dev.py bench sharded    # RayFSDPStrategy against Lightning's own sharded training
     python3 dev.py bench step       # a step of ~8 ms and the first fit: RayStrategy against ddp_spawn
     python3 dev.py matrix    # the smoke tests on every corner of the supported version window (README table)
+    python3 dev.py gpu       # on a machine with CUDA: every GPU test and the GPU benchmarks, one report
 
 Extra arguments go to the example script or to pytest (`python3 dev.py example --horovod`);
 `python3 dev.py example --tune` runs the Ray Tune example (examples/tune_digits.py) instead.
@@ -22,6 +23,12 @@ instead of `pytorch_lightning` (both are installed in `.venv/`).
 `~/.cache/ray_lightning/matrix/` (per machine, like Horovod's wheel), runs tests/test_namespaces.py in
 each with this checkout on PYTHONPATH, and writes the table between the README's matrix markers.
 `matrix NAME...` runs only those combinations. `test` ends with the oldest corner (MATRIX_IN_TEST).
+
+`gpu` (dev_gpu.py) creates no venv: it uses the Python that runs dev.py and what is installed for it, with no
+installs and no downloads (a GPU machine may have no package index), and reports what is missing (no Ray: run
+`bash .gpu/unpack.sh && . /tmp/gpu_env` first). It runs tests/test_gpu.py and the GPU rows of `bench step` and
+`bench sharded` and writes one report, benchmarks/results/gpu-<UTC time>.md (`--out`). Without CUDA it says so
+and exits 1 at once.
 
 `test` also installs DeepSpeed (built against the venv's torch, `ensure_deepspeed`).
 
@@ -198,13 +205,17 @@ def ensure_deepspeed() -> None:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("example", "test", "bench", "matrix"):
+    if not argv or argv[0] not in ("example", "test", "bench", "matrix", "gpu"):
         print(__doc__)
         return 2
     if argv[0] == "matrix":
         import dev_matrix
 
         return dev_matrix.main(argv[1:])
+    if argv[0] == "gpu":  # this Python as it is: no venv
+        import dev_gpu
+
+        return dev_gpu.main(argv[1:])
     ensure_venv()
     if argv[0] in ("test", "bench") or "--horovod" in argv:
         ensure_horovod()

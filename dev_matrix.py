@@ -1,5 +1,7 @@
 """`python3 dev.py matrix`: the smoke tests (tests/test_namespaces.py) on every corner of the version window.
 
+The torch corners (``torch2.4``...) also run the tests their torch enables (``Combination.tests``).
+
 Each combination gets one venv, kept per machine in ``$RAY_LIGHTNING_MATRIX_CACHE`` (default
 ``~/.cache/ray_lightning/matrix``) and rebuilt only when its requirements change. The checkout is put
 on ``PYTHONPATH`` instead of being installed, so one venv serves every clone. Results go into the
@@ -40,6 +42,7 @@ class Combination:
     ray: str
     lightning: tuple[str, ...]  # the Lightning distributions installed, pinned
     remove: tuple[str, ...] = ()  # uninstalled afterwards
+    tests: tuple[str, ...] = (SMOKE,)  # what runs in it
 
     def requirements(self) -> list[str]:
         return [f"ray[default,tune]=={self.ray}", *self.lightning, *TEST_REQUIREMENTS]
@@ -66,9 +69,25 @@ def _corner(label: str, torch: str, ray: str, lightning: str) -> list[Combinatio
     ]
 
 
+def _torch_corner(torch: str, ray: str, lightning: str, *more_tests: str) -> Combination:
+    both = (f"lightning=={lightning}", f"pytorch-lightning=={lightning}")
+    return Combination(f"torch{torch.rsplit('.', 1)[0]}", torch, ray, both, tests=(SMOKE, *more_tests))
+
+
 # The corners of the window setup.py declares: the oldest and newest of Lightning, Ray and torch,
-# each with only `pytorch-lightning`, only `lightning`, and both installed.
-MATRIX = [*_corner("oldest", "2.13.0", "2.50.0", "2.4.0"), *_corner("newest", "2.15.0", "2.60.0", "2.6.6")]
+# each with only `pytorch-lightning`, only `lightning`, and both installed. The oldest has the CPU
+# torch dev.py installs, so that `dev.py test` (CI) runs it cheaply. Then the torch releases GPU
+# images run (the registry's CUDA builds, which run on CPUs too), with both Lightning packages: 2.4
+# (DDP, Tune, the CLI; Horovod where a wheel was built for it) and 2.6 (the sharded strategies refused
+# on CPUs: FSDP2 over gloo needs 2.9), then 2.9 and 2.11 with the sharded strategies on CPUs too.
+MATRIX = [
+    *_corner("oldest", "2.13.0", "2.50.0", "2.4.0"),
+    *_corner("newest", "2.15.0", "2.60.0", "2.6.6"),
+    _torch_corner("2.4.1", "2.50.0", "2.4.0"),
+    _torch_corner("2.6.0", "2.52.1", "2.5.1"),
+    _torch_corner("2.9.1", "2.55.1", "2.5.6", "tests/test_sharded.py"),
+    _torch_corner("2.11.0", "2.60.0", "2.6.6", "tests/test_sharded.py"),
+]
 # What `python3 dev.py test` runs after the suite: the oldest corner, in the `lightning` namespace.
 MATRIX_IN_TEST = ("oldest-lightning",)
 
@@ -153,7 +172,7 @@ def run(combo: Combination, extra: list[str]) -> dict:
     python = ensure(combo)
     report = combo.venv / "junit.xml"
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    cmd = [str(python), "-m", "pytest", SMOKE, "-p", "no:cacheprovider", f"--junitxml={report}", *extra]
+    cmd = [str(python), "-m", "pytest", *combo.tests, "-p", "no:cacheprovider", f"--junitxml={report}", *extra]
     print("+", " ".join(cmd), flush=True)
     code = subprocess.run(cmd, cwd=ROOT, env=env).returncode
     outcome: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}

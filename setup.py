@@ -12,10 +12,10 @@ setup(
     # Lightning comes as two packages, `lightning` (lightning.pytorch) and `pytorch-lightning`
     # (pytorch_lightning); ray_lightning works with either or both, so it requires neither and never
     # replaces the one a user has: the extras below install one. Lower bounds only: the tested window
-    # is Lightning 2.4-2.6, Ray 2.50-2.60, torch 2.13-2.15 (README table), and a newer release is not
-    # downgraded by installing this package.
+    # is Lightning 2.4-2.6, Ray 2.50-2.60, torch 2.4-2.15 (README table; RayFSDPStrategy and
+    # RayModelParallelStrategy need torch 2.6), and a newer release is not downgraded by installing this package.
     install_requires=[
-        "torch>=2.13",
+        "torch>=2.4",
         "ray[default,tune]>=2.50",
     ],
     extras_require={

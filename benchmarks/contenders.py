@@ -57,6 +57,17 @@ def _ray_strategy_without_watchdog(spec: Spec) -> dict[str, Any]:
     return {"strategy": RayStrategy(num_workers=spec.workers, progress_timeout_s=None)}
 
 
+def _ray_strategy_on_gpus(spec: Spec) -> dict[str, Any]:
+    from ray_lightning import RayStrategy
+
+    return {"strategy": RayStrategy(num_workers=spec.workers, use_gpu=True)}
+
+
+def _lightning_on_gpus(spec: Spec) -> dict[str, Any]:
+    # Lightning's own choice for this many CUDA devices: its single-device strategy for one.
+    return {"accelerator": "cuda", "devices": spec.workers}
+
+
 def _horovod_ray_strategy(spec: Spec) -> dict[str, Any]:
     from ray_lightning import HorovodRayStrategy
 
@@ -158,3 +169,19 @@ CONTENDERS: dict[str, Contender] = {
     )
 }
 BASELINE = "ddp_spawn"
+# One GPU per worker (benchmarks/step.py --device gpu), apart: every other benchmark runs without a GPU.
+GPU_CONTENDERS: dict[str, Contender] = {
+    c.name: c
+    for c in (
+        Contender("ray_gpu", "ray_lightning RayStrategy, use_gpu=True", _lightning_fit(_ray_strategy_on_gpus), True),
+        Contender(
+            "lightning_gpu",
+            "Lightning's own Trainer, accelerator='cuda'",
+            _lightning_fit(_lightning_on_gpus),
+            uses_ray=False,
+            driver_is_rank_zero=True,
+            note="devices=workers: for one GPU, Lightning's single-device strategy in the driver process (no launcher)",
+        ),
+    )
+}
+GPU_BASELINE = "lightning_gpu"

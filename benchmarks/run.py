@@ -62,7 +62,13 @@ def parse_run_options(
     parser: argparse.ArgumentParser, argv: list[str] | None, contenders: Iterable[str]
 ) -> argparse.Namespace:
     """``parser``'s arguments from ``argv``; a contender not in ``contenders`` is an error naming those there are."""
-    args = parser.parse_args(argv)
+    return check_contenders(parser, parser.parse_args(argv), contenders)
+
+
+def check_contenders(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, contenders: Iterable[str]
+) -> argparse.Namespace:
+    """``args``, whose ``--contenders`` must all be in ``contenders``; else the parser fails naming those there are."""
     unknown = sorted(set(args.contenders.split(",")) - set(contenders))
     if unknown:
         parser.error(f"unknown contender(s) {unknown}; choose from {sorted(contenders)}")
@@ -107,8 +113,10 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def ray_cluster(num_cpus: int, temp_dir: str, env: dict[str, str]) -> Iterator[str]:
-    """A local Ray head owned by this process; yields its address. Other Ray clusters on the machine are left alone."""
+def ray_cluster(num_cpus: int, temp_dir: str, env: dict[str, str], num_gpus: int | None = None) -> Iterator[str]:
+    """A local Ray head owned by this process; yields its address. Other Ray clusters on the machine are left alone.
+
+    ``num_gpus``: the GPUs it offers (None: those Ray finds)."""
     import ray
 
     # Ray processes that look for "the" cluster (Ray Train's placement group cleaner uses the state
@@ -120,8 +128,8 @@ def ray_cluster(num_cpus: int, temp_dir: str, env: dict[str, str]) -> Iterator[s
     # The raylet and the workers it starts inherit this process's environment.
     os.environ.update(env, RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=address)
     try:
-        context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, _temp_dir=temp_dir,
-                           log_to_driver=False)  # fmt: skip
+        context = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=True,
+                           _temp_dir=temp_dir, log_to_driver=False)  # fmt: skip
         try:
             if context.address_info["gcs_address"] != address:
                 raise RuntimeError(f"Ray started at {context.address_info['gcs_address']}, not at {address}")
@@ -144,6 +152,7 @@ def _machine(threads: int) -> dict[str, Any]:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {
         "cpus": os.cpu_count(),
+        "gpus": gpu_names(),
         "memory_gb": memory,
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -151,6 +160,16 @@ def _machine(threads: int) -> dict[str, Any]:
         "ray_train_v2": os.environ.get("RAY_TRAIN_V2_ENABLED", "1") not in ("0", "false", "False"),
         **{p.replace("-", "_"): version(p) for p in ("torch", "pytorch-lightning", "ray", "horovod", "ray_lightning")},
     }
+
+
+def gpu_names() -> list[str]:
+    """The NVIDIA GPUs of this machine as ``nvidia-smi`` names them (this process starts no CUDA); [] where none."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in listed.stdout.splitlines() if line.strip()] if listed.returncode == 0 else []
 
 
 def measure_once(
@@ -201,8 +220,10 @@ def _measure_all(
     scratch = tempfile.mkdtemp(prefix="rlb-", dir="/tmp" if os.path.isdir("/tmp") else None)
     started = time.time()
     try:
-        # As many CPUs as the workers reserve (Ray Train's controller and helper actors reserve none).
-        with ray_cluster(spec.workers, os.path.join(scratch, "ray"), env) as address:
+        # As many CPUs as the workers reserve (Ray Train's controller and helper actors reserve none), and a
+        # GPU each where they train on GPUs.
+        num_gpus = spec.workers if getattr(spec, "gpu", False) else None
+        with ray_cluster(spec.workers, os.path.join(scratch, "ray"), env, num_gpus) as address:
             spec_path = os.path.join(scratch, "spec.json")
             with open(spec_path, "w") as f:
                 f.write(replace(spec, ray_address=address, scratch=scratch).to_json())

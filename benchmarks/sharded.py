@@ -45,7 +45,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _spec(args: argparse.Namespace) -> ShardedSpec:
     spec = run.sized(ShardedSpec.tiny() if args.tiny else ShardedSpec(), {name: getattr(args, name) for name in _SIZES})
-    spec.gpu = args.device == "gpu" or (args.device == "auto" and torch.cuda.device_count() >= spec.workers)
+    gpus = torch.cuda.device_count()
+    spec.gpu = args.device == "gpu" or (args.device == "auto" and gpus >= spec.workers)
+    if spec.gpu and gpus < spec.workers:
+        # Before the Ray cluster starts: no contender could run.
+        sys.exit(
+            f"benchmarks.sharded --device gpu needs {spec.workers} CUDA GPU(s), one per worker (--workers); this "
+            f"machine has {gpus} (torch.cuda.is_available() is {torch.cuda.is_available()}, torch {torch.__version__})."
+        )
     return spec
 
 

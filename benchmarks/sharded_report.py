@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.report import Metric, cell, summarize
-from benchmarks.sharded_workload import BARE, BASELINE, CONTENDERS, OURS
+from benchmarks.sharded_workload import BARE, BASELINE, CONTENDERS, OURS, STEP_REFERENCE
 
 METRICS = (
     Metric("model_mb", "model, MB", ".3g"),
@@ -59,7 +59,7 @@ def _median(table: dict[str, Any], name: str, key: str) -> float | None:
 def _bounds(table: dict[str, Any], name: str) -> list[tuple[str, str, float | None, float | None, bool]]:
     """(goal, metric, value, bound, whether a larger value is better) for ray_lightning's contender ``name``."""
     step, speed, peak = (_median(table, name, k) for k in ("step_ms", "weights_speed_vs_copy", "peak_rss_mb"))
-    reference = _median(table, BASELINE, "step_ms")
+    reference = _median(table, STEP_REFERENCE.get(name, BASELINE), "step_ms")
     model, bare = _median(table, name, "model_mb"), _median(table, BARE, "peak_rss_mb")
     return [
         ("steady-state step within 3% of Lightning's own", "step_ms", step,
@@ -86,7 +86,8 @@ def goals(table: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _header(document: dict[str, Any]) -> list[str]:
     spec, machine = document["spec"], document["machine"]
-    device = "1 GPU" if spec["gpu"] else f"{machine['threads_per_process']} torch thread(s)"
+    gpus = ", ".join(machine.get("gpus") or ["none found"])
+    device = f"1 GPU: {gpus}" if spec["gpu"] else f"{machine['threads_per_process']} torch thread(s)"
     return [
         f"{spec['workers']} workers ({device} each), {spec['steps']} steps (step time: median after "
         f"{spec['warmup']}), batch {spec['batch_size']} per worker; model: Linear {spec['features']}→{spec['hidden']}, "

@@ -8,6 +8,10 @@ local Ray cluster owned by this process, the same threads per process, round-rob
 contenders, each measurement a fresh driver process (:mod:`benchmarks.step_measure`) that runs one
 fit: its first, Ray up before the timer starts. Writes ``<out>/<name>.json`` (every sample) and
 ``<out>/<name>.md`` and prints the markdown.
+
+``--device gpu``: one worker on a GPU (``RayStrategy(num_workers=1, use_gpu=True)``) against Lightning's
+own Trainer on the same GPU (``accelerator="cuda", devices=1``), the MLP wider (:meth:`StepSpec.on_gpu`);
+refused, before anything starts, where there are fewer CUDA GPUs than workers.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from benchmarks import run
-from benchmarks.contenders import BASELINE, CONTENDERS
+from benchmarks.contenders import BASELINE, CONTENDERS, GPU_BASELINE, GPU_CONTENDERS
 from benchmarks.report import Metric, cell, summarize
-from benchmarks.step_measure import STEP_CONTENDERS, StepSpec
+from benchmarks.step_measure import GPU_STEP_CONTENDERS, STEP_CONTENDERS, StepSpec
 
 METRICS = (
     Metric("step_ms", "step, ms", ".2f"),
@@ -38,47 +44,70 @@ TARGETS = (
     ("steady-state step within 2% of ddp_spawn", "step_ms", 1.02),
     ("fit no slower than ddp_spawn", "fit_s", 1.0),
 )
+# On GPUs (the issue's goal): the first fit's ratio is shown, not judged (Ray's workers start as processes).
+GPU_TARGETS = (("steady-state step within 2% of Lightning's own on the GPU", "step_ms", 1.02),)
 _SIZES = ("steps", "warmup", "batch_size", "hidden")
+_LABELS = {name: c.label for name, c in {**CONTENDERS, **GPU_CONTENDERS}.items()}
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="fresh driver processes per contender (default 5)")
-    parser.add_argument("--workers", type=int, default=2, help="training processes per fit (default 2)")
+    parser.add_argument("--workers", type=int, default=None, help="training processes per fit (2; 1 on GPUs)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps of the fit (300)")
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the step time (30)")
-    parser.add_argument("--batch-size", type=int, default=None, help="per worker (128)")
-    parser.add_argument("--hidden", type=int, default=None, help="width of the MLP's hidden layers (384)")
+    parser.add_argument("--batch-size", type=int, default=None, help="per worker (128; 512 on GPUs)")
+    parser.add_argument("--hidden", type=int, default=None, help="width of the MLP's hidden layers (384; 8192 on GPUs)")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                        help="cpu (default): RayStrategy against ddp_spawn; gpu: one GPU per worker, RayStrategy "
+                        "against Lightning's own Trainer on the GPU")  # fmt: skip
     run.add_run_options(parser, STEP_CONTENDERS, "step-<start time>")
-    args = run.parse_run_options(parser, argv, STEP_CONTENDERS)
-    args.spec = run.sized(StepSpec.tiny() if args.tiny else StepSpec(), {k: getattr(args, k) for k in _SIZES})
-    args.spec.workers = args.workers
+    # The default contenders depend on --device.
+    parser.set_defaults(contenders="")
+    args = parser.parse_args(argv)
+    gpu = args.device == "gpu"
+    names = GPU_STEP_CONTENDERS if gpu else STEP_CONTENDERS
+    args.contenders = args.contenders or ",".join(names)
+    run.check_contenders(parser, args, names)
+    spec = StepSpec.on_gpu(args.tiny) if gpu else StepSpec.tiny() if args.tiny else StepSpec()
+    args.spec = run.sized(spec, {k: getattr(args, k) for k in _SIZES})
+    args.spec.workers = args.workers or args.spec.workers
+    if gpu and torch.cuda.device_count() < args.spec.workers:
+        # Before the Ray cluster starts: there is nothing to measure.
+        sys.exit(
+            f"benchmarks.step --device gpu needs {args.spec.workers} CUDA GPU(s), one per worker; this machine has "
+            f"{torch.cuda.device_count()} (torch.cuda.is_available() is {torch.cuda.is_available()}, torch "
+            f"{torch.__version__}, built for CUDA {torch.version.cuda})."
+        )
+    args.baseline, args.targets = (GPU_BASELINE, GPU_TARGETS) if gpu else (BASELINE, TARGETS)
     return args
 
 
-def build(results: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
-    """Per contender: each metric's samples, median, spread and ratio of medians against ddp_spawn."""
+def build(results: list[dict[str, Any]], order: list[str], baseline: str = BASELINE) -> dict[str, Any]:
+    """Per contender: each metric's samples, median, spread and ratio of medians against ``baseline``."""
     table = {}
     for name in order:
         runs = [r for r in results if r["contender"] == name]
         if runs:
             metrics = {m.key: summarize([r["metrics"][m.key] for r in runs]) for m in METRICS}
-            table[name] = {"label": CONTENDERS[name].label, "repeats": len(runs), "metrics": metrics}
-    base = table.get(BASELINE)
+            table[name] = {"label": _LABELS[name], "repeats": len(runs), "metrics": metrics}
+    base = table.get(baseline)
     for entry in table.values():
         for key, summary in entry["metrics"].items():
             reference = base["metrics"][key] if base else None
             if summary is not None and reference is not None and reference["median"]:
-                summary["ratio_vs_" + BASELINE] = summary["median"] / reference["median"]
+                summary["ratio_vs_" + baseline] = summary["median"] / reference["median"]
     return table
 
 
-def targets(table: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target for every ray_lightning contender: met, missed, or unknown (no ddp_spawn to compare with)."""
+def targets(
+    table: dict[str, Any], baseline: str = BASELINE, judged: tuple[tuple[str, str, float], ...] = TARGETS
+) -> list[dict[str, Any]]:
+    """Each target (``judged``) for every ray_lightning contender: met, missed, or unknown (no ``baseline`` run)."""
     rows = []
-    for what, key, bound in TARGETS:
-        for name in (n for n in table if n != BASELINE and n.startswith("ray")):
-            ratio = (table[name]["metrics"][key] or {}).get("ratio_vs_" + BASELINE)
+    for what, key, bound in judged:
+        for name in (n for n in table if n != baseline and n.startswith("ray")):
+            ratio = (table[name]["metrics"][key] or {}).get("ratio_vs_" + baseline)
             status = "unknown" if ratio is None else ("met" if ratio <= bound else "missed")
             rows.append({"target": what, "contender": name, "metric": key, "ratio": ratio, "status": status})
     return rows
@@ -86,27 +115,29 @@ def targets(table: dict[str, Any]) -> list[dict[str, Any]]:
 
 def markdown(document: dict[str, Any]) -> str:
     spec, machine, table = document["spec"], document["machine"], document["table"]
+    baseline = document.get("baseline", BASELINE)
+    device = f"GPU: {', '.join(machine.get('gpus') or ['none found'])}; " if spec.get("gpu") else ""
     lines = [
         f"{spec['workers']} workers, one fit of {spec['steps']} steps per driver process (step: median after "
         f"{spec['warmup']}), batch {spec['batch_size']}, MLP {spec['features']}-{spec['hidden']}-{spec['hidden']}-"
-        f"{spec['classes']}; {document['repeats']} repeat(s). Machine: {machine['cpus']} CPUs; torch "
+        f"{spec['classes']}; {document['repeats']} repeat(s). Machine: {machine['cpus']} CPUs; {device}torch "
         f"{machine['torch']}, Lightning {machine['pytorch_lightning']}, Ray {machine['ray']}; "
         f"{machine['threads_per_process']} torch thread(s) per process.",
         "",
-        f"Cells: median (min–max) ×ratio of medians against {BASELINE}. launch = `fit` called → rank 0's "
+        f"Cells: median (min–max) ×ratio of medians against {baseline}. launch = `fit` called → rank 0's "
         "`on_fit_start`; return = rank 0's `on_fit_end` → `fit` returned; step CPU = rank 0's process.",
         "",
         "| contender | " + " | ".join(m.title for m in METRICS) + " |",
         "| --- |" + " ---: |" * len(METRICS),
     ]
     for entry in table.values():
-        cells = [cell(entry["metrics"][m.key], m.fmt) for m in METRICS]
+        cells = [cell(entry["metrics"][m.key], m.fmt, "ratio_vs_" + baseline) for m in METRICS]
         lines.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
     if document["targets"]:
         lines += ["", "| target | contender | ratio | status |", "| --- | --- | ---: | --- |"]
         for row in document["targets"]:
             ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.3f}"
-            lines.append(f"| {row['target']} | {CONTENDERS[row['contender']].label} | {ratio} | {row['status']} |")
+            lines.append(f"| {row['target']} | {_LABELS[row['contender']]} | {ratio} | {row['status']} |")
     lines += [f"- failed: {e['contender']}, repeat {e['repeat'] + 1}" for e in document["errors"]]
     return "\n".join(lines) + "\n"
 
@@ -121,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     started = time.time()
     results, errors = run._measure_all(args, spec, run._environment(threads), logs, entry="benchmarks.step_measure")
-    table = build(results, args.contenders.split(","))
+    table = build(results, args.contenders.split(","), args.baseline)
     document = {
         "name": name,
         "command": " ".join(["python", "-m", "benchmarks.step", *(sys.argv[1:] if argv is None else argv)]),
@@ -129,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "spec": asdict(spec),
         "machine": run._machine(threads),
+        "baseline": args.baseline,
         "table": table,
-        "targets": targets(table),
+        "targets": targets(table, args.baseline, args.targets),
         "errors": errors,
         "measurements": results,
     }

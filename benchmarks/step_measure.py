@@ -14,12 +14,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.contenders import CONTENDERS, Contender
+from benchmarks.contenders import CONTENDERS, GPU_CONTENDERS, Contender
 from benchmarks.measure import _fit_metrics, measurement_main
 from benchmarks.workload import BenchModule, Spec, read_clock
 
 # RayStrategy with and without the progress watchdog, against ddp_spawn (the baseline).
 STEP_CONTENDERS = ("ray", "ray_no_watchdog", "ddp_spawn")
+# --device gpu: RayStrategy's workers on GPUs against Lightning's own Trainer on the same GPUs (the baseline).
+GPU_STEP_CONTENDERS = tuple(GPU_CONTENDERS)
 
 
 @dataclass
@@ -29,10 +31,19 @@ class StepSpec(Spec):
     hidden: int = 384
     steps: int = 300
     warmup: int = 30
+    # Every contender trains on GPUs (one per worker).
+    gpu: bool = False
 
     @classmethod
     def tiny(cls) -> StepSpec:
         return cls(batch_size=16, features=32, hidden=64, classes=4, steps=12, warmup=4)
+
+    @classmethod
+    def on_gpu(cls, tiny: bool = False) -> StepSpec:
+        """The sizes on one GPU per worker: the MLP 8192 wide, batch 512, a step of a few ms on a current GPU."""
+        spec = cls.tiny() if tiny else cls(batch_size=512, hidden=8192)
+        spec.workers, spec.gpu = 1, True
+        return spec
 
 
 def measure(contender: Contender, spec: StepSpec, result_path: str, record: bool) -> dict[str, Any] | None:
@@ -59,7 +70,7 @@ def measure(contender: Contender, spec: StepSpec, result_path: str, record: bool
 
 
 def main(argv: list[str] | None = None) -> None:
-    contenders = {name: CONTENDERS[name] for name in STEP_CONTENDERS}
+    contenders = {**{name: CONTENDERS[name] for name in STEP_CONTENDERS}, **GPU_CONTENDERS}
     measurement_main(argv, __doc__, contenders, StepSpec, measure)
 
 

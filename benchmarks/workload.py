@@ -170,6 +170,9 @@ class StepClock(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if pl_module.device.type == "cuda":
+            # CUDA runs ahead of Python: wait for the step's kernels, so that a batch end is when the step was done.
+            torch.cuda.synchronize(pl_module.device)
         self.batch_ends.append(time.time())
         self.batch_end_cpu.append(time.process_time())
 

@@ -74,7 +74,14 @@ class Namespace:
 # The oldest releases ray_lightning works with (the README's table tests them).
 MINIMUM_LIGHTNING = (2, 4)
 MINIMUM_RAY = (2, 50)
-MINIMUM_TORCH = (2, 13)
+MINIMUM_TORCH = (2, 4)
+# What needs a newer torch than the package does is refused when it is made (require_torch), not at import:
+# FSDP2's public ``torch.distributed.fsdp.fully_shard`` and ``torch.distributed.tensor`` (DTensor) are torch
+# 2.6's. Over gloo (CPUs, workers sharing a GPU) FSDP2 needs 2.9: 2.6's first all-gather fails on CPUs
+# ("'Stream' object has no attribute 'record_event'"), and 2.7 and 2.8 sum the ranks' gradients instead of
+# averaging them (2 CPU ranks: weights 2.8x as far from where they started as DDP's, in the matrix's corners).
+SHARDING_TORCH = (2, 6)
+GLOO_SHARDING_TORCH = (2, 9)
 
 PYTORCH_LIGHTNING = Namespace("pytorch_lightning", "lightning_fabric", "pytorch-lightning", "pytorch_lightning")
 LIGHTNING = Namespace("lightning.pytorch", "lightning.fabric", "lightning", "lightning")
@@ -141,6 +148,22 @@ def check_stack() -> None:
         reason = _too_old(name, version, minimum)
         if reason:
             raise ImportError(f"{reason}: pip install '{pip}>={'.'.join(map(str, minimum))}'")
+
+
+def require_torch(minimum: tuple[int, ...], owner: str, needs: str) -> None:
+    """Refuse ``owner`` (a strategy being made) on a torch older than ``minimum``; ``needs`` says what for.
+
+    Example: ``require_torch(SHARDING_TORCH, "RayFSDPStrategy", "FSDP2's public fully_shard")``.
+    """
+    import torch
+
+    if version_tuple(torch.__version__) < minimum:
+        version = ".".join(map(str, minimum))
+        raise ImportError(
+            f"{owner} needs torch {version} or newer ({needs}); this is torch {torch.__version__}. "
+            f"pip install 'torch>={version}' (ray_lightning's other strategies work from torch "
+            f"{'.'.join(map(str, MINIMUM_TORCH))})."
+        )
 
 
 def primary() -> Namespace:

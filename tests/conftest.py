@@ -1,15 +1,23 @@
-"""Shared fixtures: one local Ray for the whole session, started once (slow on 2 cores)."""
+"""Shared fixtures: one local Ray for the whole session, started once (slow on 2 cores).
+
+Ray is imported where a fixture needs it, not here: the modules that start no Ray (tests/test_dev_gpu.py)
+also run where Ray is missing, as on a GPU image before its pack is unpacked.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
+
+if TYPE_CHECKING:
+    from ray.cluster_utils import Cluster
 
 # More logical CPUs than this machine has: the tests start several 1-CPU workers at once.
 SESSION_CPUS = 8
@@ -20,10 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def ray_local():
     """The local Ray shared by the tests: started on first use, re-started after a multi-node test."""
+    import ray
+
     if not ray.is_initialized() or "custom_accel" not in ray.cluster_resources():
         ray.shutdown()
         # Tune's trial processes import the tests' modules by name, as a user's would import theirs.
-        runtime_env = {"env_vars": {"PYTHONPATH": str(ROOT)}}
+        runtime_env = {"env_vars": {"PYTHONPATH": session_pythonpath()}}
         # address="local": a new Ray of our own, even when another one runs on this machine.
         ray.init(
             address="local",
@@ -35,11 +45,20 @@ def ray_local():
     yield ray
 
 
+def session_pythonpath() -> str:
+    """The checkout, then this process's own ``PYTHONPATH``: Ray's ``env_vars`` replace a variable, and where Ray
+    itself comes from ``PYTHONPATH`` (a GPU image with the pack of ``dev.py gpu``) its workers need it too."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 @contextlib.contextmanager
 def connected_cluster(*worker_nodes: dict) -> Iterator[Cluster]:
     """This process connected to a new ``ray.cluster_utils.Cluster``: a 1-CPU head (the driver's node)
     and one node per ``add_node`` keyword dict; shut down afterwards (the session's local Ray
     starts again on the next ``ray_local``)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
     _stop_waiting_workers()
     ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
@@ -64,6 +83,7 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
 
 
 def alive_worker_actors() -> list:
+    import ray
     from ray.util.state import list_actors
 
     # This process's Ray, also when other Ray instances run on the machine.
@@ -78,9 +98,10 @@ def _isolate_cwd(tmp_path, monkeypatch):
 
 
 def _stop_waiting_workers() -> None:
-    import ray_lightning
-
-    ray_lightning.release_idle_workers()
+    # Workers wait only after a call of ray_lightning in this process: where it was never imported, none do.
+    ray_lightning = sys.modules.get("ray_lightning")
+    if ray_lightning is not None:
+        ray_lightning.release_idle_workers()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -98,6 +119,8 @@ def no_waiting_workers():
     """For a test that needs the cluster to itself: it counts worker actors or free CPUs, or runs Tune
     trials or raw Ray actors on all the CPUs. Stops the workers an earlier test of the module left
     waiting, and waits until their actors are gone."""
+    import ray
+
     _stop_waiting_workers()
     if ray.is_initialized():
         wait_for(lambda: not alive_worker_actors(), 30, "the workers earlier tests left waiting to stop")

@@ -125,6 +125,9 @@ class Recorder(pl.Callback):
                 "precision": type(trainer.precision_plugin).__name__,
                 "deterministic": __import__("torch").are_deterministic_algorithms_enabled(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                # The GPUs Ray reserved for this actor (its own ids), and the devices torch sees through the above.
+                "gpu_ids": [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])],
+                "cuda_device_count": __import__("torch").cuda.device_count(),
                 "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
             },
         )

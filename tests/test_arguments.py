@@ -173,6 +173,32 @@ def test_lightning_and_torch_arguments_still_pass():
     assert RayAccelerator(num_workers=2, cpus_per_worker=2, find_unused_parameters=True).make_strategy()
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: RayStrategy(num_workers=2, resources_per_worker={"GPU": 0.5}, process_group_backend="nccl"),
+        lambda: RayAccelerator(num_workers=2, resources_per_worker={"GPU": 0.5}, process_group_backend="NCCL"),
+        lambda: RayStrategy(
+            num_workers=4, resources_per_worker={"GPU": 0.25}, process_group_backend="cpu:gloo,cuda:nccl"
+        ),
+    ],
+)
+def test_nccl_where_workers_share_a_gpu_is_refused_when_the_strategy_is_made(make):
+    # No GPU or Ray needed: the refusal comes from the arguments alone, before anything launches.
+    with pytest.raises(ValueError, match=r"each worker reserves 0\.\d+ of a GPU.*NCCL refuses two ranks on one device"):
+        make()
+
+
+def test_nccl_with_whole_gpus_or_one_worker_and_gloo_on_a_shared_gpu_are_accepted():
+    assert RayStrategy(num_workers=2, use_gpu=True, process_group_backend="nccl").requested_process_group_backend
+    alone = RayStrategy(num_workers=1, resources_per_worker={"GPU": 0.5}, process_group_backend="nccl")
+    assert alone.requested_process_group_backend == "nccl"
+    shared = RayStrategy(num_workers=2, resources_per_worker={"GPU": 0.5}, process_group_backend="gloo")
+    assert shared.requested_process_group_backend == "gloo"
+    # Left out: chosen in the workers from where Ray put them (gloo where they share a GPU, test_environment.py).
+    assert RayStrategy(num_workers=2, resources_per_worker={"GPU": 0.5}).requested_process_group_backend is None
+
+
 def test_a_checkpoint_path_that_exists_nowhere_fails_before_any_worker_starts(ray_local, tmp_path):
     trainer = pl.Trainer(max_epochs=1, strategy=RayStrategy(num_workers=2), logger=False)
     missing = str(tmp_path / "missing.ckpt")

@@ -1,7 +1,10 @@
 """GPU training for real, where this machine has GPUs; skipped (saying why) where it has none.
 
-The device logic these tests rely on (CUDA_VISIBLE_DEVICES, device index, backend) is also tested
-without a GPU in test_environment.py.
+Everything here runs with one GPU (the tests that need two say so when they skip): a single-GPU worker
+(NCCL with world size 1, its device and CUDA_VISIBLE_DEVICES), two workers sharing the GPU (gloo), FSDP1,
+FSDP2 and DeepSpeed, bf16-mixed precision, a restart after SIGKILL and a Tune trial. ``python3 dev.py gpu``
+runs this module and writes its report. The device logic these tests rely on (CUDA_VISIBLE_DEVICES, device
+index, backend) is also tested without a GPU in test_environment.py.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import pytorch_lightning as pl
 import torch
 
 from ray_lightning import RayStrategy
+from tests.conftest import session_pythonpath
 from tests.models import BoringModel, Recorder, read_records
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -22,13 +26,16 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_gpu():
+    """A local Ray with this machine's GPUs (also for the module-scoped fits below)."""
     import ray
 
     if not ray.is_initialized() or ray.cluster_resources().get("GPU", 0) < GPUS:
         ray.shutdown()
-        ray.init(num_cpus=8, num_gpus=GPUS)
+        # Tune's trial processes import this module by name.
+        runtime_env = {"env_vars": {"PYTHONPATH": session_pythonpath()}}
+        ray.init(address="local", num_cpus=8, num_gpus=GPUS, runtime_env=runtime_env)
     yield ray
 
 
@@ -46,9 +53,15 @@ def _fit(tmp_path, strategy) -> list[dict]:
 
 def test_one_gpu_worker_trains_on_cuda_with_nccl(tmp_path):
     (start,) = _fit(tmp_path, RayStrategy(num_workers=1, use_gpu=True))
+    assert (start["world_size"], start["global_rank"], start["local_rank"]) == (1, 0, 0)
     assert start["device"] == "cuda:0"
     assert start["backend"] == "nccl"
     assert start["resources"]["GPU"] == 1.0
+    # The worker sees exactly the GPU Ray reserved for it, as device 0.
+    (gpu_id,) = start["gpu_ids"]
+    assert start["cuda_visible_devices"] == gpu_id
+    assert start["cuda_device_count"] == 1
+    assert start["precision_device"] in (None, "cuda"), start
 
 
 @pytest.mark.skipif(GPUS == 1, reason="needs 2 GPUs; this machine has 1")
@@ -61,8 +74,110 @@ def test_two_gpu_workers_use_their_own_device(tmp_path):
 @pytest.mark.skipif(GPUS > 1, reason="with several GPUs Ray may place the two halves on different devices")
 def test_two_workers_sharing_one_gpu_use_gloo(tmp_path):
     starts = _fit(tmp_path, RayStrategy(num_workers=2, resources_per_worker={"GPU": 0.5}))
+    assert [(s["global_rank"], s["world_size"]) for s in starts] == [(0, 2), (1, 2)]
     assert {s["device"] for s in starts} == {"cuda:0"}
     assert {s["backend"] for s in starts} == {"gloo"}
+    assert {s["resources"]["GPU"] for s in starts} == {0.5}
+    # Both were given the same GPU, and see only it.
+    assert len({tuple(s["gpu_ids"]) for s in starts}) == 1
+    assert {s["cuda_visible_devices"] for s in starts} == {starts[0]["gpu_ids"][0]}
+
+
+def test_nccl_on_one_shared_gpu_is_refused_before_anything_starts():
+    # NCCL refuses two ranks on one device: said when the strategy is made, not as the workers fail.
+    with pytest.raises(ValueError, match="NCCL refuses two ranks on one device"):
+        RayStrategy(num_workers=2, resources_per_worker={"GPU": 0.5}, process_group_backend="nccl")
+
+
+class PrecisionProbe(BoringModel):
+    """Logs what the forward pass computed in, and on which device: seen on the driver as callback metrics."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        out = self(x)
+        self.log("forward_is_bf16", float(out.dtype == torch.bfloat16))
+        self.log("on_cuda", float(out.device.type == "cuda"))
+        return torch.nn.functional.mse_loss(out.float(), y)
+
+
+def test_bf16_mixed_precision_on_the_gpu_worker(tmp_path):
+    if not torch.cuda.is_bf16_supported():
+        pytest.skip(f"{torch.cuda.get_device_name()} does not support bfloat16")
+    model = PrecisionProbe()
+    before = model.layer.weight.clone()
+    trainer = pl.Trainer(
+        max_epochs=1, precision="bf16-mixed", strategy=RayStrategy(num_workers=1, use_gpu=True),
+        callbacks=[Recorder(tmp_path)], logger=False, enable_progress_bar=False,
+    )  # fmt: skip
+    trainer.fit(model)
+    (start,) = read_records(tmp_path, "fit", "start")
+    assert (start["precision"], start["precision_device"], start["device"]) == ("MixedPrecision", "cuda", "cuda:0")
+    assert trainer.callback_metrics["forward_is_bf16"] == 1.0 and trainer.callback_metrics["on_cuda"] == 1.0
+    # Mixed precision keeps float32 weights, and they trained.
+    assert model.layer.weight.dtype == torch.float32 and not torch.equal(before, model.layer.weight)
+
+
+def test_a_killed_gpu_worker_restarts_on_the_gpu_and_the_fit_ends_as_without_the_failure(tmp_path):
+    from tests.test_restarts import FailsOnce, _trainer
+
+    def fit(directory, marker):
+        pl.seed_everything(0)
+        model = FailsOnce(str(marker), rank=0)  # the only rank: SIGKILLed at epoch 1, batch 2, once
+        trainer = _trainer(directory, RayStrategy(num_workers=1, use_gpu=True, max_failures=1),
+                           callbacks=[Recorder(directory)])  # fmt: skip
+        trainer.fit(model)
+        return model, trainer
+
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    (reference_dir / "marker").write_text("")  # the marker exists: nothing fails
+    reference, _ = fit(reference_dir, reference_dir / "marker")
+    model, trainer = fit(tmp_path, tmp_path / "killed")
+
+    assert (tmp_path / "killed").exists(), "the worker was never killed"
+    (restart,) = trainer.strategy.restarts
+    assert (restart.rank, restart.reason, restart.number) == (0, "worker died", 1)
+    # Resumed from epoch 0's checkpoint: 8 steps per epoch (64 samples, batch 8, 1 worker).
+    assert (restart.epoch, restart.global_step) == (1, 8)
+    assert (trainer.current_epoch, trainer.global_step) == (3, 24)
+    pids = [line.split()[1] for line in (tmp_path / "killed.pids").read_text().splitlines()]
+    assert len(pids) == 2 and pids[0] != pids[1], "a new process for the new attempt"
+    # The new attempt (its record replaced the first's) trained on the GPU again.
+    (start,) = read_records(tmp_path, "fit", "start")
+    assert (start["device"], start["backend"], start["pid"]) == ("cuda:0", "nccl", int(pids[1]))
+    torch.testing.assert_close(model.layer.weight, reference.layer.weight)
+
+
+def train_on_a_gpu(config):
+    """A Tune trial: one worker on a GPU, its metrics reported to Tune."""
+    from ray_lightning.tune import TuneReportCallback
+
+    trainer = pl.Trainer(
+        max_epochs=2, strategy=RayStrategy(num_workers=1, use_gpu=True),
+        callbacks=[TuneReportCallback({"loss": "val_loss", "on_cuda": "on_cuda"})],
+        logger=False, enable_progress_bar=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(PrecisionProbe(lr=config["lr"]))
+
+
+def test_a_tune_trial_trains_on_the_gpu(tmp_path):
+    from ray import tune
+
+    import ray_lightning
+    from ray_lightning.tune import get_tune_resources
+
+    # Workers an earlier test left waiting hold the GPU, which the trial (another process) cannot take over.
+    ray_lightning.release_idle_workers()
+    resources = get_tune_resources(num_workers=1, use_gpu=True)
+    assert resources.required_resources["GPU"] == 1.0
+    analysis = tune.run(
+        train_on_a_gpu, config={"lr": 0.05}, resources_per_trial=resources, storage_path=str(tmp_path), verbose=0
+    )
+    (trial,) = analysis.trials
+    assert trial.status == "TERMINATED", trial.error_file
+    assert trial.last_result["training_iteration"] == 2
+    assert trial.last_result["on_cuda"] == 1.0
+    assert 0 < trial.last_result["loss"] < float("inf")
 
 
 def test_horovod_worker_trains_on_cuda(tmp_path):
@@ -93,7 +208,7 @@ def _fit_mlp(strategy, **trainer_kwargs):
 
 
 @pytest.fixture(scope="module")
-def gpu_ddp_weights():
+def gpu_ddp_weights(ray_gpu):
     model, _ = _fit_mlp(RayStrategy(num_workers=GPUS, use_gpu=True), enable_checkpointing=False)
     return model.state_dict()
 

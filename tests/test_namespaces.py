@@ -254,8 +254,41 @@ def test_too_old_versions_name_the_version_needed():
     assert "ImportError: Ray 2.49.0 (ray_lightning needs 2.50 or newer): pip install 'ray[default,tune]>=2.50'" in (
         result.stderr
     )
-    result = _import_with("import torch; torch.__version__ = '2.12.1'")
-    assert "ImportError: torch 2.12.1 (ray_lightning needs 2.13 or newer)" in result.stderr
+    result = _import_with("import torch; torch.__version__ = '2.3.1'")
+    assert "ImportError: torch 2.3.1 (ray_lightning needs 2.4 or newer)" in result.stderr
+
+
+def _sharding_refusal(make, **resources) -> str | None:
+    try:
+        make(num_workers=2, **resources)
+    except ImportError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("name", ["RayFSDPStrategy", "RayModelParallelStrategy"])
+def test_sharded_strategies_say_which_torch_they_need_when_made(name, monkeypatch):
+    make = getattr(ray_lightning, name)
+    # On this torch, for real: FSDP2 needs 2.6 with NCCL (a GPU per worker) and 2.9 over gloo (CPUs, a
+    # shared GPU); the matrix's torch corners run both sides.
+    version = namespaces.version_tuple(torch.__version__)
+    for resources, minimum in (
+        ({"use_gpu": True}, namespaces.SHARDING_TORCH),
+        ({"use_gpu": False}, namespaces.GLOO_SHARDING_TORCH),
+        ({"resources_per_worker": {"GPU": 0.5}}, namespaces.GLOO_SHARDING_TORCH),
+    ):
+        refusal = _sharding_refusal(make, **resources)
+        if version >= minimum:
+            assert refusal is None, refusal
+        else:
+            assert refusal and f"{name} needs torch {minimum[0]}.{minimum[1]} or newer" in refusal, refusal
+    # What an older torch reports; the other strategies are made on it.
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+    ray_lightning.RayStrategy(num_workers=2)
+    assert f"{name} needs torch 2.6 or newer" in _sharding_refusal(make, use_gpu=True)
+    monkeypatch.setattr(torch, "__version__", "2.8.0")
+    assert "needs torch 2.9 or newer (FSDP2 over gloo" in _sharding_refusal(make, use_gpu=False)
+    assert "needs torch 2.9 or newer" in _sharding_refusal(make, use_gpu=True, process_group_backend="gloo")
 
 
 @pytest.mark.skipif(len(INSTALLED) < 2, reason="needs both lightning and pytorch-lightning installed")

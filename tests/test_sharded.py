@@ -12,9 +12,17 @@ import torch
 from torch import nn
 
 from ray_lightning import RayFSDP1Strategy, RayFSDPStrategy, RayModelParallelStrategy, RayStrategy
+from ray_lightning.namespaces import GLOO_SHARDING_TORCH, version_tuple
 from tests.sharded_models import MLP, BlockModel, DenseBlockModel, ShardedMLP
 
-pytestmark = pytest.mark.usefixtures("ray_local")
+pytestmark = [
+    pytest.mark.usefixtures("ray_local"),
+    pytest.mark.skipif(
+        version_tuple(torch.__version__) < GLOO_SHARDING_TORCH,
+        reason=f"FSDP2 on CPUs (gloo) needs torch 2.9, this is {torch.__version__}: RayFSDPStrategy and "
+        "RayModelParallelStrategy refuse it (tests/test_namespaces.py checks that)",
+    ),
+]
 
 
 def _fit(strategy, model_class, **trainer_kwargs):

@@ -257,6 +257,7 @@ def test_gpu_zero_in_resources_wins_over_use_gpu(tmp_path):
     assert {s["backend"] for s in starts} == {"gloo"}
     assert all("GPU" not in s["resources"] for s in starts)
     assert {s["cuda_visible_devices"] for s in starts} == {""}
+    assert [(s["gpu_ids"], s["cuda_device_count"]) for s in starts] == [([], 0), ([], 0)]
 
 
 def test_ranks_hook_and_progress_bar_on_one_node(tmp_path):

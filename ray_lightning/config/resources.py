@@ -41,6 +41,11 @@ class WorkerResources:
         return self.gpus > 0
 
     @property
+    def may_share_gpu(self) -> bool:
+        """Whether Ray may give two of these workers one GPU: there are several, each reserving a fraction of one."""
+        return 0 < self.gpus < 1 and self.num_workers > 1
+
+    @property
     def workers_per_host(self) -> int:
         return self.num_workers // self.num_hosts if self.num_hosts else 1
 
@@ -149,3 +154,19 @@ def resolve_worker_resources(
     if gpus > 1 and not gpus.is_integer():
         raise ValueError(f"A worker can reserve a fraction of one GPU or whole GPUs, not {gpus:g}.")
     return WorkerResources(int(num_workers), cpus, gpus, custom, num_hosts)
+
+
+def refuse_nccl_on_a_shared_gpu(owner: str, backend: Any, resources: WorkerResources) -> None:
+    """Refuse ``process_group_backend`` asking NCCL where workers may share a GPU, before any worker starts.
+
+    NCCL refuses two ranks on one device, and workers that each reserve a fraction of a GPU are put on the
+    same one: without this, every rank would fail as the process group forms. ``owner``: the strategy's name.
+    """
+    if not isinstance(backend, str) or "nccl" not in backend.lower() or not resources.may_share_gpu:
+        return
+    raise ValueError(
+        f"{owner}(process_group_backend={backend!r}) cannot work with {resources.describe()}: each worker reserves "
+        f"{resources.gpus:g} of a GPU, so Ray puts several workers on one GPU, and NCCL refuses two ranks on one "
+        "device. Leave process_group_backend out (workers that share a GPU then use gloo, which reduces CUDA "
+        "tensors too), pass process_group_backend='gloo', or reserve a whole GPU per worker (use_gpu=True)."
+    )

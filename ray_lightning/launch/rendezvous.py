@@ -56,11 +56,19 @@ def open_bound_store(host: str, timeout_s: float) -> Any:
     with listening_socket(host) as sock:
         # The store owns (and closes) the descriptor it is given, also when its construction fails
         # half-way; it gets a duplicate, and `with` closes ours either way.
-        return TCPStore(
-            host,
-            sock.getsockname()[1],  # the real port: the non-libuv store checks it against the socket's
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=timeout_s),
-            master_listen_fd=os.dup(sock.fileno()),
-        )
+        def store(**backend: Any) -> Any:
+            return TCPStore(
+                host,
+                sock.getsockname()[1],  # the real port: the non-libuv store checks it against the socket's
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=timeout_s),
+                master_listen_fd=os.dup(sock.fileno()),
+                **backend,
+            )
+
+        try:
+            return store()
+        except NotImplementedError:
+            # torch 2.4's default (libuv) store takes no listening socket; its legacy one does.
+            return store(use_libuv=False)

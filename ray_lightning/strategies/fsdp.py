@@ -46,7 +46,7 @@ from ray_lightning import _lightning, _torch, namespaces, runtime
 from ray_lightning.config.arguments import check_keywords
 from ray_lightning.strategies import accelerator
 from ray_lightning.strategies.ddp import RayAccelerator
-from ray_lightning.strategies.sharded import ShardedWorkersMixin, check_sharding_arguments
+from ray_lightning.strategies.sharded import ShardedWorkersMixin, check_sharding_arguments, require_sharding_torch
 from ray_lightning.strategies.workers import RayWorkersMixin, worker_arguments
 
 if TYPE_CHECKING:
@@ -122,6 +122,7 @@ class RayFSDPStrategy(RayWorkersMixin, ShardedWorkersMixin):
         timeout: timedelta | None = timedelta(minutes=30),
         **fsdp_kwargs: Any,
     ) -> None:
+        require_sharding_torch("RayFSDPStrategy", self.resources, process_group_backend)
         check_sharding_arguments(self.use_gpu, process_group_backend, timeout, full_weights_home)
         self._check_fsdp_arguments(cpu_offload, mixed_precision, state_dict_type, fsdp_kwargs)
         self.full_weights_home = full_weights_home

@@ -21,7 +21,7 @@ from typing_extensions import override
 from ray_lightning import _lightning, runtime
 from ray_lightning.strategies import accelerator
 from ray_lightning.strategies.ddp import RayAccelerator
-from ray_lightning.strategies.sharded import ShardedWorkersMixin, check_sharding_arguments
+from ray_lightning.strategies.sharded import ShardedWorkersMixin, check_sharding_arguments, require_sharding_torch
 from ray_lightning.strategies.workers import RayWorkersMixin, worker_arguments
 
 if TYPE_CHECKING:
@@ -105,6 +105,7 @@ class RayModelParallelStrategy(RayWorkersMixin, ShardedWorkersMixin):
         timeout: timedelta | None = timedelta(minutes=30),
         full_weights_home: bool | None = None,
     ) -> None:
+        require_sharding_torch("RayModelParallelStrategy", self.resources, process_group_backend)
         dp, tp = mesh_sizes(self.num_workers, data_parallel_size, tensor_parallel_size)
         check_sharding_arguments(self.use_gpu, process_group_backend, timeout, full_weights_home)
         self.full_weights_home = full_weights_home

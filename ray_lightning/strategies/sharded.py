@@ -38,8 +38,20 @@ from ray_lightning.home.weights import WeightPart
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
+    from ray_lightning.config.resources import WorkerResources
+
 # The model may come home when it takes at most this share of the driver's free memory.
 FULL_WEIGHTS_MEMORY_SHARE = 0.5
+
+
+def require_sharding_torch(owner: str, resources: WorkerResources, backend: Any) -> None:
+    """Refuse a strategy built on FSDP2 and DTensor where torch cannot run it: torch 2.6 with NCCL, 2.9 with gloo
+    (CPUs, workers sharing a GPU, or ``process_group_backend="gloo"``): see ``namespaces.GLOO_SHARDING_TORCH``."""
+    gloo = not resources.use_gpu or resources.gpus < 1 or (isinstance(backend, str) and backend.lower() == "gloo")
+    if gloo:
+        why = "FSDP2 over gloo: CPUs or a shared GPU; with one GPU per worker and NCCL, torch 2.6 will do"
+        namespaces.require_torch(namespaces.GLOO_SHARDING_TORCH, owner, why)
+    namespaces.require_torch(namespaces.SHARDING_TORCH, owner, "FSDP2's public fully_shard and DTensor")
 
 
 def check_sharding_arguments(use_gpu: bool, backend: Any, timeout: Any, full_weights_home: Any) -> None:

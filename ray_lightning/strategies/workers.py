@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from ray_lightning import _lightning, namespaces, runtime
 from ray_lightning._lightning import LightningStrategyHooks
-from ray_lightning.config.resources import WorkerResources
+from ray_lightning.config.resources import WorkerResources, refuse_nccl_on_a_shared_gpu
 from ray_lightning.config.timeouts import DEFAULT_PROGRESS_TIMEOUT_S
 from ray_lightning.config.workers import WorkerSpec
 from ray_lightning.environment import RayEnvironment
@@ -77,7 +77,9 @@ def worker_arguments(
     Before the decorated body runs, the shared arguments are checked and kept as ``self.workers``
     (:class:`~ray_lightning.config.workers.WorkerSpec`, made by the class's :meth:`RayWorkersMixin.worker_spec`),
     and every argument as ``self.init_arguments`` (a Trainer of the other Lightning package rebuilds the
-    strategy from them). ``defaults``: shared arguments whose default differs for this strategy;
+    strategy from them). After it, a ``process_group_backend`` asking NCCL where the workers may share a GPU
+    is refused (:func:`~ray_lightning.config.resources.refuse_nccl_on_a_shared_gpu`).
+    ``defaults``: shared arguments whose default differs for this strategy;
     ``fixed``: shared arguments the strategy decides (left out of its signature), with their values.
     ``passes_on``: what the strategy's ``**kwargs`` go to, as Lightning names (``"strategies.DDPStrategy"``)
     or torch classes (``"torch.nn.parallel.DistributedDataParallel"``); their arguments, less ``decided``,
@@ -109,6 +111,8 @@ def worker_arguments(
             self.init_arguments = {**own, **extra}
             self.use_workers(type(self).worker_spec({n: own.pop(n) for n in shared} | fixed, own))
             init(self, **own, **extra)
+            # Known only now: the backend is an argument of Lightning's strategy, stored by its __init__.
+            refuse_nccl_on_a_shared_gpu(type(self).__name__, self.requested_process_group_backend, self.resources)
             # Whatever Lightning's __init__ set: the ranks come from where Ray placed the workers.
             self.cluster_environment = namespaces.member(RayEnvironment, self.namespace)(self.num_workers)
 
