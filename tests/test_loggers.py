@@ -101,6 +101,9 @@ def test_wandb_offline_run_has_rank_zeros_metrics_and_the_next_fit_continues_it(
     assert _steps(second) == list(range(2 * STEPS_PER_EPOCH, 3 * STEPS_PER_EPOCH))
 
 
+# Fresh workers: once in four full runs, on workers whose process had run another W&B run, the offline run
+# held one artifact of the two logged (wandb's own service, kept by the process); left alone, see CHANGELOG.
+@pytest.mark.usefixtures("no_waiting_workers")
 def test_wandb_log_model_logs_each_checkpoint_once_across_fits(ray_local, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")  # reaches the workers: Ray started without it
     logger = WandbLogger(project="rl", save_dir="runs", log_model=True)
