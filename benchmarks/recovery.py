@@ -18,8 +18,6 @@ import argparse
 import signal
 import sys
 import time
-from dataclasses import asdict
-from pathlib import Path
 
 from benchmarks import run
 from benchmarks.recovery_driver import CASES, RecoverySpec
@@ -67,22 +65,13 @@ def _check(spec: RecoverySpec) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     spec = args.spec
-    threads = run._threads_per_process(spec.workers)
-    name = args.name or time.strftime("recovery-%Y%m%d-%H%M%S")
-    out = Path(args.out)
-    logs = out / "logs" / name
-    logs.mkdir(parents=True, exist_ok=True)
+    name, out, logs = run.output_dirs(args, "recovery")
     started = time.time()
-    env = run._environment(threads)
+    env = run._environment(run._threads_per_process(spec.workers))
     results, errors = run._measure_all(args, spec, env, logs, entry="benchmarks.recovery_driver")
     table = build(results, args.contenders.split(","), spec)
     document = {
-        "name": name,
-        "command": " ".join(["python", "-m", "benchmarks.recovery", *(sys.argv[1:] if argv is None else argv)]),
-        "duration_s": time.time() - started,
-        "repeats": args.repeats,
-        "spec": asdict(spec),
-        "machine": run._machine(threads),
+        **run.describe(name, "benchmarks.recovery", argv, started, args.repeats, spec),
         "table": table,
         "targets": targets(table),
         "errors": errors,

@@ -275,6 +275,27 @@ def main(argv: list[str] | None = None) -> int:
     return publish(document, report.markdown(document), out, logs)
 
 
+def output_dirs(args: argparse.Namespace, prefix: str) -> tuple[str, Path, Path]:
+    """A run's name (``--name``, or ``<prefix>-<start time>``), its output folder and its log folder (made)."""
+    name = args.name or time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
+    out = Path(args.out)
+    logs = out / "logs" / name
+    logs.mkdir(parents=True, exist_ok=True)
+    return name, out, logs
+
+
+def describe(name: str, module: str, argv: list[str] | None, started: float, repeats: int, spec: Any) -> dict[str, Any]:
+    """What every benchmark document starts with: the run, the command that made it, its size and the machine."""
+    return {
+        "name": name,
+        "command": " ".join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)]),
+        "duration_s": time.time() - started,
+        "repeats": repeats,
+        "spec": asdict(spec),
+        "machine": _machine(_threads_per_process(spec.workers)),
+    }
+
+
 def publish(document: dict[str, Any], text: str, out: Path, logs: Path) -> int:
     """Write ``document`` to ``<out>/<name>.json`` and ``text`` to ``.md``, print it; 1 after a failed measurement."""
     name = document["name"]

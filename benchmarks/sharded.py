@@ -15,8 +15,6 @@ import argparse
 import signal
 import sys
 import time
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,16 +54,10 @@ def _spec(args: argparse.Namespace) -> ShardedSpec:
     return spec
 
 
-def _document(args: argparse.Namespace, spec: ShardedSpec, name: str, measured: dict[str, Any]) -> dict[str, Any]:
-    """Everything the run saw, with the table and the goals judged."""
+def _judged(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]:
+    """The table and the goals judged, with what was measured, skipped and failed."""
     table = sharded_report.build(measured["results"], args.contenders.split(","))
     return {
-        "name": name,
-        "command": " ".join(["python", "-m", "benchmarks.sharded", *measured["argv"]]),
-        "duration_s": measured["duration_s"],
-        "repeats": args.repeats,
-        "spec": asdict(spec),
-        "machine": run._machine(run._threads_per_process(spec.workers)),
         "table": table,
         "goals": sharded_report.goals(table),
         "skipped": measured["skipped"],
@@ -78,18 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     spec = _spec(args)
     env = run._environment(run._threads_per_process(spec.workers))
-    name = args.name or time.strftime("sharded-%Y%m%d-%H%M%S")
-    out = Path(args.out)
-    logs = out / "logs" / name
-    logs.mkdir(parents=True, exist_ok=True)
+    name, out, logs = run.output_dirs(args, "sharded")
     names = args.contenders.split(",")
     skipped = {n: why for n in names if (why := CONTENDERS[n].unavailable(spec))}
     runnable = argparse.Namespace(**{**vars(args), "contenders": ",".join(n for n in names if n not in skipped)})
     started = time.time()
     results, errors = run._measure_all(runnable, spec, env, logs, entry="benchmarks.sharded_measure")
-    measured = {"results": results, "errors": errors, "skipped": skipped, "duration_s": time.time() - started,
-                "argv": sys.argv[1:] if argv is None else argv}  # fmt: skip
-    document = _document(args, spec, name, measured)
+    measured = {"results": results, "errors": errors, "skipped": skipped}
+    document = {
+        **run.describe(name, "benchmarks.sharded", argv, started, args.repeats, spec),
+        **_judged(args, measured),
+    }
     return run.publish(document, sharded_report.markdown(document), out, logs)
 
 

@@ -20,8 +20,6 @@ import argparse
 import signal
 import sys
 import time
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -145,21 +143,13 @@ def markdown(document: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     spec = args.spec
-    threads = run._threads_per_process(spec.workers)
-    name = args.name or time.strftime("step-%Y%m%d-%H%M%S")
-    out = Path(args.out)
-    logs = out / "logs" / name
-    logs.mkdir(parents=True, exist_ok=True)
+    name, out, logs = run.output_dirs(args, "step")
     started = time.time()
-    results, errors = run._measure_all(args, spec, run._environment(threads), logs, entry="benchmarks.step_measure")
+    env = run._environment(run._threads_per_process(spec.workers))
+    results, errors = run._measure_all(args, spec, env, logs, entry="benchmarks.step_measure")
     table = build(results, args.contenders.split(","), args.baseline)
     document = {
-        "name": name,
-        "command": " ".join(["python", "-m", "benchmarks.step", *(sys.argv[1:] if argv is None else argv)]),
-        "duration_s": time.time() - started,
-        "repeats": args.repeats,
-        "spec": asdict(spec),
-        "machine": run._machine(threads),
+        **run.describe(name, "benchmarks.step", argv, started, args.repeats, spec),
         "baseline": args.baseline,
         "table": table,
         "targets": targets(table, args.baseline, args.targets),
