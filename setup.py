@@ -27,6 +27,8 @@ setup(
         # RayDeepSpeedStrategy (Lightning needs DeepSpeed >= 0.16 with torch >= 2.6). Where torch must not be
         # replaced (a CPU build), install it with DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed.
         "deepspeed": ["deepspeed>=0.16"],
+        # storage_path="s3://..." (fsspec's S3 filesystem; gcsfs and adlfs serve gs:// and az:// the same way).
+        "s3": ["s3fs"],
         "test": [
             # Both Lightning packages: the suite runs with both installed, the normal case.
             "lightning>=2.4",
@@ -49,6 +51,9 @@ setup(
             "wandb>=0.31",
             "mlflow-skinny>=3.17",
             "comet_ml>=3.58",
+            # storage_path's tests: a real S3-compatible server (moto's server mode) and fsspec's S3 filesystem.
+            "moto[server]>=5.1",
+            "s3fs>=2024.6",
         ],
     },
     classifiers=[

@@ -25,7 +25,7 @@ return through :mod:`ray_lightning.home.results`.
 from ray_lightning import namespaces  # noqa: F401, I001
 from ray_lightning import _lightning
 from ray_lightning.environment import RayEnvironment
-from ray_lightning.errors import ClusterResourceError, RayWorkerError, WorkerHangError
+from ray_lightning.errors import ClusterResourceError, RayWorkerError, StorageError, WorkerHangError
 from ray_lightning.horovod.strategy import HorovodRayAccelerator, HorovodRayStrategy
 from ray_lightning.launch.idle_pool import release_idle_workers
 from ray_lightning.strategies.ddp import RayAccelerator, RayStrategy
@@ -54,6 +54,7 @@ __all__ = [
     "RayModelParallelStrategy",
     "RayStrategy",
     "RayWorkerError",
+    "StorageError",
     "WorkerHangError",
     "__version__",
     "release_idle_workers",

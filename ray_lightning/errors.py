@@ -75,3 +75,7 @@ class WorkerPreemptedError(RayWorkerError):
 
     def __reduce__(self) -> tuple:
         return (type(self), (str(self), self.rank, self.reason), {"failures": self.failures})
+
+
+class StorageError(OSError):
+    """The run's storage (``storage_path``) cannot be written, or a checkpoint's upload failed: names the path."""

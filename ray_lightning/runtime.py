@@ -100,6 +100,8 @@ class WorkerContext:
     rank_zero_staging: str | None = None
     # The driver's niceness, which the worker's threads take during the call (launch.priority); None: Ray's.
     niceness: int | None = None
+    # Checkpoints no rotation of ModelCheckpoint's may remove: the ckpt_path the call was given (Lightning#21813).
+    keep_checkpoints: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ class RecoveryPlan:
     ``attempt``: 0 for the call's first start, ``n`` after its ``n``-th restart. After a restart:
     ``log_step``, the loggers' step at the checkpoint resumed from (log rows from later steps are
     dropped: they are logged again), and ``random_states``, rank 0's random generators at the first
-    step after it (None if unknown).
+    step after it (None if unknown). ``storage_run``: with ``storage_path``, where the checkpoints go.
     """
 
     every_n_steps: int | None
@@ -124,6 +126,9 @@ class RecoveryPlan:
     attempt: int = 0
     log_step: int | None = None
     random_states: Any = None
+    # With storage_path: the run (ray_lightning.home.storage.Run) whose folder recovery checkpoints go to, written
+    # by the ranks; None: rank 0 sends them to the driver.
+    storage_run: Any = None
 
 
 class ProgressMarker(Protocol):

@@ -38,6 +38,7 @@ from typing_extensions import override
 from ray_lightning import namespaces
 from ray_lightning.channel.driver_channel import send_to_driver
 from ray_lightning.config.resources import resolve_worker_resources
+from ray_lightning.home import storage
 from ray_lightning.launch.placement import trial_bundles
 
 if TYPE_CHECKING:
@@ -231,6 +232,7 @@ class TuneReportCheckpointCallback(TuneReportCallback):
         with tempfile.TemporaryDirectory(prefix="ray_lightning-tune-") as directory:
             path = os.path.join(directory, self._filename)
             trainer.save_checkpoint(path)
+            storage.uploads().wait()  # with storage_path the file is written in the background
             if trainer.is_global_zero:
                 with open(path, "rb") as f:
                     data = f.read()

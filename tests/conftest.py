@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.s3_server import bucket, s3_endpoint  # noqa: F401 - fixtures of the storage tests (moto is imported lazily)
+
 if TYPE_CHECKING:
     from ray.cluster_utils import Cluster
 

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks.recovery_driver import CASES
 from benchmarks.recovery_report import BASELINE, METRICS, PERCENT_KEYS
-from tests.conftest import ROOT
+from tests.benchmark_runs import run_benchmark
 
 # Seven fits, two of them Ray Train's (a controller and worker group per start, twice): minutes on 2 busy cores.
 BENCHMARK_TIMEOUT_S = 1200
@@ -27,23 +24,7 @@ _RAY_LIGHTNING_ONLY = {"detect_s"}
 
 
 def _run_benchmark(out: Path, *args: str) -> tuple[int, str]:
-    """``python -m benchmarks.recovery`` from the repository root; past the bound it gets SIGTERM, which
-    stops its driver processes and its own Ray cluster (never the tests' Ray)."""
-    log_path = out / "recovery.log"
-    with open(log_path, "w") as log:
-        benchmark = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.recovery", "--out", str(out), *args],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            code = benchmark.wait(timeout=BENCHMARK_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            benchmark.send_signal(signal.SIGTERM)
-            benchmark.wait(timeout=120)
-            pytest.fail(f"benchmarks.recovery ran over {BENCHMARK_TIMEOUT_S} s:\n{log_path.read_text()[-8000:]}")
-    return code, log_path.read_text()
+    return run_benchmark("recovery", out, BENCHMARK_TIMEOUT_S, *args)
 
 
 def _finite(summary: dict | None, where: tuple) -> None:

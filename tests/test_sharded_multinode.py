@@ -70,3 +70,43 @@ def test_a_deepspeed_checkpoint_comes_home_whole_and_resumes(two_nodes, tmp_path
     resumed = trainer(2, enable_checkpointing=False)
     resumed.fit(MLP(), ckpt_path=checkpoint.best_model_path)
     assert (resumed.current_epoch, resumed.global_step) == (2, 2 * first.global_step)
+
+
+def test_a_sharded_run_in_a_bucket_survives_a_killed_worker_with_nothing_through_the_driver(
+    two_nodes, tmp_path, bucket
+):
+    from tests.test_storage import FailsAfterAStoredCheckpoint
+
+    class FailingMLP(FailsAfterAStoredCheckpoint, MLP):
+        pass
+
+    strategy = RayFSDPStrategy(
+        num_workers=2,
+        resources_per_worker={"CPU": 1, "slot": 1},
+        storage_path=f"{bucket.url}/runs",
+        run_name="spot",
+        max_failures=1,
+        state_dict_type="sharded",
+    )
+    trainer = pl.Trainer(
+        max_epochs=3,
+        strategy=strategy,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)],
+        default_root_dir=tmp_path,
+    )
+    model = FailingMLP(str(tmp_path / "killed"))
+    model.run_url = f"{bucket.url}/runs/spot"
+    trainer.fit(model)
+
+    (restart,) = trainer.strategy.restarts
+    assert (restart.rank, restart.epoch, restart.global_step) == (1, 1, 4)  # from the bucket's sharded checkpoint
+    assert (trainer.current_epoch, trainer.global_step) == (3, 12)
+    stored = bucket.files("runs/spot")
+    # Each node's rank wrote its shard of every epoch's checkpoint straight into the bucket; nothing came here.
+    for step in (4, 8, 12):
+        name = f"runs/spot/ckpt/epoch={step // 4 - 1}-step={step}.ckpt"
+        assert {f"{name}/__0_0.distcp", f"{name}/__1_0.distcp", f"{name}/meta.pt"} <= set(stored), stored
+    assert not any(tmp_path.rglob("*.distcp")) and trainer.strategy.launcher.transferred_files == []

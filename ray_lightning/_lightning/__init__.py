@@ -41,6 +41,7 @@ from ray_lightning._lightning.names import (
     launcher_bases,
     load_fit_progress,
     output_directories,
+    use_filesystems_of_paths,
 )
 from ray_lightning._lightning.strategy import LightningStrategyHooks
 
@@ -58,6 +59,7 @@ __all__ = [
     "launcher_bases",
     "install",
     "is_local_file_protocol",
+    "use_filesystems_of_paths",
     "is_mock_optimizer",
     "load_fit_progress",
     "output_directories",

@@ -66,6 +66,7 @@ def is_local_file_protocol(path: Any) -> bool:
 # Where the Trainer, its loggers and checkpoint callbacks keep the directories they write into.
 TRAINER_DIRECTORIES = ("_default_root_dir",)
 LOGGER_DIRECTORIES = ("_root_dir", "_save_dir")  # CSVLogger, TensorBoardLogger (and their fabric bases)
+LOGGER_FILESYSTEM = "_fs"  # the fsspec filesystem CSVLogger and TensorBoardLogger made for their directory
 CHECKPOINT_PATHS = ("dirpath", "best_model_path", "last_model_path", "kth_best_model_path")  # public
 # The fit loop's counters behind current_epoch and global_step: (name in the state, path from the fit loop).
 FIT_PROGRESS = (
@@ -106,6 +107,19 @@ def directory_holders(trainer: pl.Trainer) -> Iterator[tuple[Any, tuple[str, ...
     for callback in trainer.callbacks:
         if isinstance(callback, model_checkpoint):
             yield callback, CHECKPOINT_PATHS
+
+
+def use_filesystems_of_paths(trainer: pl.Trainer) -> None:
+    """After the loggers' directories moved (to storage): each logger uses the filesystem of its new directory.
+
+    CSVLogger and TensorBoardLogger pick their fsspec filesystem once, in ``__init__``, from the directory given.
+    """
+    from fsspec.core import url_to_fs
+
+    for logger in trainer.loggers:
+        root = getattr(logger, "_root_dir", None)
+        if isinstance(root, (str, os.PathLike)) and hasattr(logger, LOGGER_FILESYSTEM):
+            setattr(logger, LOGGER_FILESYSTEM, url_to_fs(os.fspath(root))[0])
 
 
 def output_directories(trainer: pl.Trainer) -> Iterator[str]:
@@ -180,6 +194,8 @@ def _private_names(ns: Namespace) -> Iterator[PrivateName]:
     yield PrivateName(f"{pl_}.loggers.CSVLogger", "_root_dir", _logger(ns, "CSVLogger"))
     yield PrivateName(f"{pl_}.loggers.CSVLogger", "_save_dir", _logger(ns, "CSVLogger"))
     yield PrivateName(f"{pl_}.loggers.TensorBoardLogger", "_root_dir", _logger(ns, "TensorBoardLogger"))
+    for kind in ("CSVLogger", "TensorBoardLogger"):
+        yield PrivateName(f"{pl_}.loggers.{kind}", LOGGER_FILESYSTEM, _logger(ns, kind))
     for name in ("_accelerator", "_launcher", "_lightning_optimizers", "_configure_launcher"):
         yield PrivateName(f"{pl_}.strategies.Strategy", name, _ddp_strategy(ns))
     for name in ("_timeout", "_process_group_backend", "_get_process_group_backend"):

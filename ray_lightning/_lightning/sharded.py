@@ -52,13 +52,23 @@ def saves_sharded_checkpoints(strategy: Any) -> bool:
     return bool(getattr(strategy, SAVE_DISTRIBUTED))
 
 
-@contextlib.contextmanager
-def full_checkpoints(strategy: Any) -> Iterator[None]:
+def full_checkpoints(strategy: Any) -> contextlib.AbstractContextManager[None]:
     """For the block: the strategy's state dicts are full (gathered on rank 0), not sharded. Collective."""
     # ModelParallelStrategy's switch, or FSDPStrategy's state_dict_type.
-    name, full = (SAVE_DISTRIBUTED, False) if hasattr(strategy, SAVE_DISTRIBUTED) else (STATE_DICT_TYPE, "full")
+    if hasattr(strategy, SAVE_DISTRIBUTED):
+        return _switched(strategy, SAVE_DISTRIBUTED, False)
+    return _switched(strategy, STATE_DICT_TYPE, "full")
+
+
+def sharded_checkpoints(strategy: Any) -> contextlib.AbstractContextManager[None]:
+    """For the block: a ``ModelParallelStrategy``'s state dicts are sharded (each rank its part). Not collective."""
+    return _switched(strategy, SAVE_DISTRIBUTED, True)
+
+
+@contextlib.contextmanager
+def _switched(strategy: Any, name: str, value: Any) -> Iterator[None]:
     saved = getattr(strategy, name)
-    setattr(strategy, name, full)
+    setattr(strategy, name, value)
     try:
         yield
     finally:

@@ -6,6 +6,7 @@ One module per concern:
   argument, else its variable, else its default;
 * :mod:`.timeouts`: :class:`~.timeouts.WorkerTimeouts`, the time bounds of a launch;
 * :mod:`.restarts`: :class:`~.restarts.RecoverySettings`, how often a fit may restart its workers;
+* :mod:`.storage`: :class:`~.storage.StorageSettings`, where a run's checkpoints and logs go;
 * :mod:`.resources`: :class:`~.resources.WorkerResources`, what each worker reserves and how many
   there are (no Ray needed to check them), and their placement-group bundles;
 * :mod:`.workers`: :class:`~.workers.WorkerSpec`, the one record of a strategy's workers made of the above;

@@ -1,4 +1,5 @@
-"""The one record of a strategy's workers: how many and what each reserves, the time bounds, the restarts, the hook."""
+"""The one record of a strategy's workers: how many and what each reserves, the time bounds, the restarts, the hook,
+where the run's files go."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from ray_lightning.config.arguments import check_init_hook
 from ray_lightning.config.resources import WorkerResources, resolve_worker_resources
 from ray_lightning.config.restarts import RecoverySettings
+from ray_lightning.config.storage import StorageSettings
 from ray_lightning.config.timeouts import DEFAULT_PROGRESS_TIMEOUT_S, WorkerTimeouts
 
 
@@ -23,6 +25,7 @@ class WorkerSpec:
     timeouts: WorkerTimeouts
     recovery: RecoverySettings
     init_hook: Callable[[], Any] | None = None
+    storage: StorageSettings = StorageSettings()
 
     @classmethod
     def resolve(
@@ -41,6 +44,8 @@ class WorkerSpec:
         scale_up_timeout_s: float | None = None,
         max_failures: int | None = None,
         recovery_checkpoint_every_n_steps: int | None = None,
+        storage_path: str | None = None,
+        run_name: str | None = None,
     ) -> WorkerSpec:
         """Check every argument (a bad one raises naming it) and fill in those left out from the environment."""
         resources = resolve_worker_resources(num_workers, num_cpus_per_worker, use_gpu, resources_per_worker, num_hosts)
@@ -49,4 +54,4 @@ class WorkerSpec:
         )
         recovery = RecoverySettings.resolve(max_failures, recovery_checkpoint_every_n_steps)
         check_init_hook(init_hook)
-        return cls(resources, timeouts, recovery, init_hook)
+        return cls(resources, timeouts, recovery, init_hook, StorageSettings.resolve(storage_path, run_name))

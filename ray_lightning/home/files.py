@@ -72,6 +72,31 @@ def make_absolute(trainer: pl.Trainer) -> None:
     _map_paths(trainer, lambda p: os.path.abspath(os.path.expanduser(p)))
 
 
+def place_in(trainer: pl.Trainer, storage: str, under: Callable[..., str]) -> None:
+    """On the driver, with ``storage_path``: the Trainer's local directories move into the run's folder, ``under(...)``.
+
+    A directory under ``default_root_dir`` keeps its place relative to it (``<run>/lightning_logs/version_0``);
+    another absolute path keeps its whole path under the run's folder. URLs the user gave, and paths already in
+    the storage path ``storage`` (a mounted directory), stay as they are.
+    """
+
+    def stored(path: str) -> bool:
+        return path == storage or path.startswith(storage.rstrip(os.sep) + os.sep)
+
+    root = trainer.default_root_dir
+    root = os.path.abspath(root) if _lightning.is_local_file_protocol(root) and not stored(root) else None
+
+    def moved(path: str) -> str:
+        if stored(path):
+            return path  # already in storage (an earlier call placed it, or the user chose it)
+        if root is not None and (path == root or path.startswith(root.rstrip(os.sep) + os.sep)):
+            relative = os.path.relpath(path, root)
+            return under() if relative == "." else under(*relative.split(os.sep))
+        return under(*os.path.splitdrive(path)[1].strip("/\\").split(os.sep))
+
+    _map_paths(trainer, lambda p: moved(p) if os.path.isabs(p) else p)
+
+
 def staging_dir(name: str) -> str:
     """The staging directory called ``name`` on this node."""
     return os.path.join(tempfile.gettempdir(), name)

@@ -25,6 +25,9 @@ Decisions:
   first step (:class:`RestoreRandomStates`), so dropout draws the masks it would have drawn.
 * No step checkpoint on an epoch's last batch (Lightning would skip that epoch's end on resume):
   the epoch's own checkpoint follows a moment later.
+* With ``storage_path`` nothing of a checkpoint passes through the driver: the ranks write it into the
+  run's folder (:mod:`.storage`, a shard per rank for the sharded strategies, never gathered) while
+  training goes on, rank 0 writes the marker that makes it complete and tells the driver where it is.
 * With each checkpoint, a rank 0 that writes into a staging directory (off the driver's machine)
   also sends what it wrote or removed there since the last one (:class:`~.files.StagingMirror`):
   the checkpoint files of finished epochs reach the driver even if rank 0's node is lost.
@@ -33,6 +36,7 @@ Decisions:
 from __future__ import annotations
 
 import io
+import logging
 import random
 import time
 from typing import TYPE_CHECKING, Any
@@ -43,10 +47,13 @@ from typing_extensions import override
 
 from ray_lightning import _lightning, namespaces, runtime
 from ray_lightning.channel.driver_channel import send_object_to_driver
+from ray_lightning.home import storage
 from ray_lightning.home.files import StagingMirror
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
+
+log = logging.getLogger(__name__)
 
 EPOCH = "epoch boundary"
 
@@ -57,9 +64,19 @@ class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
     A ``Checkpoint`` callback of every installed Lightning namespace (:func:`ray_lightning.namespaces.every`).
     """
 
-    def __init__(self, every_n_steps: int | None, staging: str | None, collective: bool = False) -> None:
+    def __init__(
+        self,
+        every_n_steps: int | None,
+        staging: str | None,
+        collective: bool = False,
+        storage_run: storage.Run | None = None,
+        call_tag: str = "",
+    ) -> None:
         self._every_n_steps = every_n_steps
         self._collective = collective
+        self._storage_run = storage_run
+        self._call_tag = call_tag  # the call and attempt: with a count, the folder of each checkpoint in storage
+        self._taken = 0
         self._mirror = StagingMirror(staging) if staging is not None else None
         self._last_step = -1  # the step of the newest checkpoint sent
         self._request: str | None = None  # why a checkpoint was asked for, until it is taken
@@ -109,6 +126,9 @@ class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
         self._last_step, self._request = trainer.global_step, None
         started = time.perf_counter()
         runtime.mark_progress("training", f"recovery checkpoint ({reason})")
+        if self._storage_run is not None:
+            self._to_storage(trainer, self._header(trainer, reason, preemption), started)
+            return
         take = getattr(trainer.strategy, "full_checkpoint", None)
         checkpoint = take(trainer) if take is not None else _lightning.dump_checkpoint(trainer)
         if not trainer.is_global_zero:
@@ -117,7 +137,15 @@ class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
         torch.save(checkpoint, buffer)
         del checkpoint
         changed, removed = self._mirror.changes() if self._mirror is not None else ({}, [])
-        header = {
+        header = {**self._header(trainer, reason, preemption), "seconds": time.perf_counter() - started}
+        # A numpy array goes into the object store with one copy, and is read there in place.
+        data = np.frombuffer(buffer.getbuffer(), dtype=np.uint8)
+        send_object_to_driver(header, {"checkpoint": data, "files": changed, "removed": removed})
+        self._random_states_due = True
+
+    @staticmethod
+    def _header(trainer: pl.Trainer, reason: str, preemption: bool) -> dict[str, Any]:
+        return {
             # The epoch the workers resume in: the next one after an epoch's end.
             "epoch": trainer.current_epoch + (1 if reason == EPOCH else 0),
             "global_step": trainer.global_step,
@@ -125,12 +153,56 @@ class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
             "log_step": _lightning.fit_progress_state(trainer)["batches_that_stepped"],
             "reason": reason,
             "preemption": preemption,
-            "seconds": time.perf_counter() - started,
+            "world_size": trainer.world_size,
         }
-        # A numpy array goes into the object store with one copy, and is read there in place.
-        data = np.frombuffer(buffer.getbuffer(), dtype=np.uint8)
-        send_object_to_driver(header, {"checkpoint": data, "files": changed, "removed": removed})
+
+    def _to_storage(self, trainer: pl.Trainer, header: dict[str, Any], started: float) -> None:
+        """Every rank that holds part of the state writes it into a new folder of the run; rank 0, once all parts
+        are written, the marker, and tells the driver (in the background: training goes on meanwhile)."""
+        run = self._storage_run
+        assert run is not None
+        self._taken += 1
+        folder = run.recovery_folder(trainer.global_step, f"{self._call_tag}-{self._taken}")
+        rank_zero = trainer.is_global_zero
+
+        uploads = storage.uploads()
+
+        def complete(resume_from: str) -> None:
+            if not rank_zero or uploads.abandoned:
+                return  # an attempt that failed: a restart may be reading the checkpoint this one would replace
+            done = {**header, "folder": folder, "resume_from": resume_from, "written_at": time.time()}
+            done["seconds"] = done["written_at"] - wall_started
+            storage.write_marker(folder, done)
+            storage.remove_older_recovery(run, keep=folder)
+            send_object_to_driver(done, None)
+
+        wall_started = time.time()
+        write = getattr(trainer.strategy, "checkpoint_to_storage", None)  # each rank its shard (sharded strategies)
+        (write or _upload_full_checkpoint)(trainer, folder, complete)
+        blocked = time.perf_counter() - started
+        if rank_zero:
+            log.debug("ray_lightning: recovery checkpoint into %s; training waited %.3f s", folder, blocked)
         self._random_states_due = True
+
+
+def _upload_full_checkpoint(trainer: pl.Trainer, folder: str, complete: Any) -> None:
+    """Rank 0 uploads the full checkpoint (every rank's state is the same; FSDP1's is gathered on rank 0 first)."""
+    take = getattr(trainer.strategy, "full_checkpoint", None)
+    checkpoint = take(trainer) if take is not None else _lightning.dump_checkpoint(trainer)
+    if not trainer.is_global_zero:
+        return
+    target = storage.join(folder, storage.CHECKPOINT_FILE)
+
+    def start() -> Any:
+        copy = storage.snapshot(checkpoint)  # taken before training goes on; serialized and written beside it
+
+        def job() -> None:
+            storage.write_bytes(target, storage.serialize(copy))
+            complete(target)
+
+        return job
+
+    storage.uploads().submit(target, start)
 
 
 class RestoreRandomStates(*namespaces.every("callbacks.Callback")):

@@ -27,7 +27,7 @@ from ray_lightning import namespaces, runtime
 from ray_lightning.channel.heartbeat import Heartbeat, HeartbeatCallback
 from ray_lightning.channel.progress import readable_output
 from ray_lightning.channel.worker_output import end_of_output
-from ray_lightning.home import files, loggers
+from ray_lightning.home import files, loggers, storage
 from ray_lightning.home.predictions import PredictionRecorder
 from ray_lightning.home.recovery import RecoveryCheckpoints, RestoreRandomStates
 from ray_lightning.home.results import WorkerOutput, collect_worker_output
@@ -92,6 +92,10 @@ class WorkerCall:
                 files.stage(trainer, staging)
             elif staging is not None:
                 files.make_private_dir(staging)  # this rank's part of the sharded checkpoints
+            uses_storage = trainer.strategy.workers.storage.enabled
+            if uses_storage:
+                storage.reset_uploads()
+                storage.forget_cached_filesystems()  # this call's credentials and endpoints (AWS_*...)
             _add_recovery(trainer, context, staging)
             self._strategy = strategy = trainer.strategy
             strategy.attach_worker(context, self._store)
@@ -110,8 +114,18 @@ class WorkerCall:
                 trainer.callbacks.append(SigtermFirst(self._watch))
             # Rank 0 closes its runs before they are collected.
             logging_runs = loggers.in_worker(trainer, staging if rank_zero else None)
-            with readable_output(rank_zero, progress_to_driver=context.driver_queue is not None), logging_runs:
-                results = function(*args, **kwargs)
+            try:
+                with readable_output(rank_zero, progress_to_driver=context.driver_queue is not None), logging_runs:
+                    results = function(*args, **kwargs)
+            except BaseException:
+                if uses_storage:
+                    # A restart may read the checkpoint the uploads left would replace: they write no marker.
+                    storage.uploads().abandon()
+                raise
+            if uses_storage:
+                runtime.mark_progress("collecting the results", "waiting for the last checkpoint's upload")
+                storage.uploads().wait()  # fit returns once the last checkpoint is in storage, or raises naming it
+                storage.uploads().close()
             runtime.mark_progress("collecting the results")
             output = collect_worker_output(trainer, results, recorder, staging)
             if staging is not None:
@@ -149,15 +163,17 @@ def _add_recovery(trainer: pl.Trainer, context: WorkerContext, staging: str | No
         trainer.callbacks.append(RestoreRandomStates(plan.random_states))
     # A sharded strategy's checkpoints take every rank.
     collective = bool(getattr(trainer.strategy, "collective_checkpoints", False))
+    run = plan.storage_run
+    tag = f"{plan.notice_key[-8:]}-{plan.attempt}"  # the folder of each recovery checkpoint in storage, with a count
     if context.rank.global_rank != 0:
         if collective:
-            trainer.callbacks.append(RecoveryCheckpoints(plan.every_n_steps, None, collective=True))
+            trainer.callbacks.append(RecoveryCheckpoints(plan.every_n_steps, None, True, run, tag))
         return
     if staging is not None and plan.seed is not None:
         files.seed(staging, ray.get(plan.seed))
     if plan.attempt > 0:
         loggers.continue_logs(trainer, plan.log_step)
-    trainer.callbacks.append(RecoveryCheckpoints(plan.every_n_steps, staging, collective))
+    trainer.callbacks.append(RecoveryCheckpoints(plan.every_n_steps, staging, collective, run, tag))
 
 
 def _local_checkpoint(checkpoint: runtime.CheckpointFile, scratch: contextlib.ExitStack) -> str:

@@ -24,6 +24,9 @@ from ray_lightning.runtime import CheckpointFile, RecoveryPlan, TorchFlags, Work
 # and those of the loggers rank 0 runs (WANDB_MODE, WANDB_API_KEY, MLFLOW_ALLOW_FILE_STORE, COMET_...),
 # as Lightning's DDP processes inherit them.
 FORWARDED_ENV_PREFIXES = ("PL_", "CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED", "WANDB_", "MLFLOW_", "COMET_")
+# With storage_path, also the cloud SDKs' and fsspec's, which its filesystems read in every rank (credentials,
+# endpoints, regions: AWS_ENDPOINT_URL, GOOGLE_CLOUD_PROJECT...); without it the workers keep their own.
+STORAGE_ENV_PREFIXES = ("AWS_", "GOOGLE_", "GCSFS_", "AZURE_", "FSSPEC_")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,10 @@ class CallSettings:
     # A sharded strategy's ranks each write part of a checkpoint: those off the driver's machine stage
     # theirs under f"{shard_staging}-rank{N}" (None: only rank 0 writes files).
     shard_staging: str | None = None
+    # The ckpt_path the call was given, which no checkpoint rotation may remove (Lightning#21813).
+    keep_checkpoints: tuple[str, ...] = ()
+    # The run keeps its files in storage: the storage variables are forwarded too.
+    storage: bool = False
 
     def marker_of(self, rank: int) -> str | None:
         return f"{self.output_marker}-{rank}" if self.output_marker is not None else None
@@ -70,7 +77,8 @@ def build_contexts(
     devices = assign_cuda_devices(node_ids, gpu_ids)
     shared = shares_a_gpu(node_ids, gpu_ids)
     rank_zero = next(info for rank, info in zip(ranks, infos) if rank.global_rank == 0)
-    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES) and k not in NOT_FORWARDED_ENV}
+    prefixes = FORWARDED_ENV_PREFIXES + (STORAGE_ENV_PREFIXES if call.storage else ())
+    env = {k: v for k, v in os.environ.items() if k.startswith(prefixes) and k not in NOT_FORWARDED_ENV}
     sys_path = driver_sys_path()
     niceness = driver_niceness()
     # Trainer(deterministic=..., benchmark=...) set these in this process only.
@@ -98,6 +106,7 @@ def build_contexts(
             num_machines=len({i.node_ip for i in infos}),
             recovery=recovery if recovery is None or rank.global_rank == 0 else replace(recovery, seed=None),
             niceness=niceness,
+            keep_checkpoints=call.keep_checkpoints,
         )
         for rank, info, (visible, index) in zip(ranks, infos, devices)
     ]

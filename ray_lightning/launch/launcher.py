@@ -35,7 +35,7 @@ from typing_extensions import override
 from ray_lightning import _lightning, namespaces
 from ray_lightning.channel.worker_output import output_sync
 from ray_lightning.errors import RayWorkerError, WorkerDiedError, WorkerHangError
-from ray_lightning.home import files, loggers
+from ray_lightning.home import files, loggers, storage
 from ray_lightning.home.predictions import merge_predictions
 from ray_lightning.home.results import WorkerOutput, apply_to_driver
 from ray_lightning.launch import idle_pool
@@ -48,7 +48,13 @@ from ray_lightning.launch.contexts import (
     progress_interval,
 )
 from ray_lightning.launch.failures import Decision, Failure, classify, decide
-from ray_lightning.launch.payload import check_checkpoint_exists, checkpoint_argument, checkpoint_files, put_payload
+from ray_lightning.launch.payload import (
+    check_checkpoint_exists,
+    checkpoint_argument,
+    checkpoint_files,
+    given_checkpoint,
+    put_payload,
+)
 from ray_lightning.launch.placement import OwnPlacement, TrialPlacement
 from ray_lightning.launch.protocol import LaunchedStrategy
 from ray_lightning.launch.recovery import Recovery
@@ -94,6 +100,8 @@ class _Call:
     recovery: Recovery
     scope: files.WriteScope  # where the files rank 0 sends back may land
     seed_directories: list[str]  # where this call's own logs and checkpoints go
+    run: storage.Run | None = None  # with storage_path: the run's folder, where the ranks write everything
+    keep_checkpoints: tuple[str, ...] = ()  # the ckpt_path given, which no rotation may remove
 
 
 class RayLauncher(*_lightning.launcher_bases()):
@@ -123,17 +131,24 @@ class RayLauncher(*_lightning.launcher_bases()):
             self._strategy.check_trainer(trainer)
         ensure_ray_initialized()
         check_checkpoint_exists(function, args, kwargs)
+        # With storage_path: the run's folder, checked writable; the Trainer's directories are placed in it.
+        run = storage.open_run(trainer, self._strategy.workers.storage, self._strategy.run_name_now)
         if trainer is not None:
             # Where rank 0 writes and which logger runs it continues (home.loggers).
             loggers.prepare_on_driver(trainer)
         scope = files.WriteScope.of(trainer, loggers.output_directories(trainer) if trainer else ())
+        given = given_checkpoint(function, args, kwargs)
         call = _Call(
             checkpoint=checkpoint_argument(function, args, kwargs, trainer),
             seed_directories=_seed_directories(trainer),
             payload=put_payload(trainer, function, args, kwargs),
-            recovery=Recovery(self._strategy.workers.recovery, scope, self._strategy.restarts),
+            recovery=Recovery(self._strategy.workers.recovery, scope, self._strategy.restarts, run),
             scope=scope,
+            run=run,
+            keep_checkpoints=_kept(given),
         )
+        if run is not None:
+            self._announce_run(call, trainer, given)
         self.transferred_files = []
         try:
             attempt = self._attempts(call)
@@ -145,6 +160,30 @@ class RayLauncher(*_lightning.launcher_bases()):
         finally:
             self._running = None
             call.recovery.close()
+
+    def _announce_run(self, call: _Call, trainer: pl.Trainer | None, given: Any) -> None:
+        """Say where the run's files go; a fit that names no checkpoint, in the first call of a run in this process,
+        resumes from the newest complete one in the run's folder (its earlier driver died), and says so."""
+        run = call.run
+        assert run is not None
+        say = namespaces.of(self._strategy).pl("utilities.rank_zero.rank_zero_info")
+        if run.url not in _RUNS_SAID:
+            _RUNS_SAID.add(run.url)
+            say(f"ray_lightning: run {run.name!r} keeps its checkpoints and logs in {run.url}")
+        if trainer is None or trainer.state.fn != namespaces.FITTING or run.url in _RUNS_FITTED:
+            return
+        _RUNS_FITTED.add(run.url)
+        if given is not None:
+            return
+        entry = storage.newest_complete(run)
+        if entry is None:
+            return
+        call.recovery.resume_from_storage(entry)
+        header = entry.header
+        say(
+            f"ray_lightning: resuming run {run.name!r} from its newest complete checkpoint in storage, "
+            f"{entry.folder} (epoch {header['epoch']}, step {header['global_step']})"
+        )
 
     def _attempts(self, call: _Call) -> Attempt:
         """Attempts of the call until one succeeds, or a failure no restart follows is raised."""
@@ -214,12 +253,14 @@ class RayLauncher(*_lightning.launcher_bases()):
                 channel.queue,
                 progress_interval(timeouts.start_s, timeouts.progress_s),
                 output_sync.new_marker(),
-                # Every rank of a sharded strategy writes its part of each checkpoint.
-                files.new_staging_name() if getattr(self._strategy, "every_rank_writes", False) else None,
+                # Every rank of a sharded strategy writes its part of each checkpoint (into storage: in place).
+                files.new_staging_name() if _ranks_stage(self._strategy, call) else None,
+                call.keep_checkpoints,
+                call.run is not None,
             )
             infos = group.node_infos(timeouts.start_s)
             nodes = {r.global_rank: info for r, info in zip(group.ranks, infos)}
-            staging = _staging_area(nodes)
+            staging = _staging_area(nodes) if call.run is None else None
             contexts = self._contexts(group, infos, staging, settings, call)
             watchdog = Watchdog([r.global_rank for r in group.ranks], infos, timeouts.progress_s, timeouts.start_s)
             outputs = group.run(call.payload, contexts, channel, watchdog, stop=call.recovery.stop_for_preemption)
@@ -264,10 +305,13 @@ class RayLauncher(*_lightning.launcher_bases()):
         timeout_s = self._strategy.workers.timeouts.start_s
         point = group.open_rendezvous(self._strategy.rendezvous, nodes_by_rank(group.ranks, infos), timeout_s)
         driver_node = driver_node_id()
+        path = call.recovery.checkpoint(call.checkpoint)
         shipped = checkpoint_files(
-            call.recovery.checkpoint(call.checkpoint),
+            path,
             local=any(i.node_id == driver_node for i in infos),
             remote=any(i.node_id != driver_node for i in infos),
+            # A recovery checkpoint in the run's folder, or any checkpoint in the storage path, is read there.
+            in_storage=call.run is not None and path is not None and (path != call.checkpoint or call.run.holds(path)),
         )
         rank_zero_info = namespaces.of(self._strategy).pl("utilities.rank_zero.rank_zero_info")
         described = self._strategy.workers.resources.describe()
@@ -314,6 +358,24 @@ class RayLauncher(*_lightning.launcher_bases()):
         self.transferred_files = sorted(set(self.transferred_files) | set(written))
         if written:
             log.warning("ray_lightning: copied what rank 0 wrote before the failure: %s", ", ".join(written))
+
+
+# The runs (their folders in storage) this process named, and fitted: a run resumes from storage only in its
+# first fit in a process (a later fit of a notebook starts where the module is).
+_RUNS_SAID: set[str] = set()
+_RUNS_FITTED: set[str] = set()
+
+
+def _ranks_stage(strategy: Any, call: _Call) -> bool:
+    return bool(getattr(strategy, "every_rank_writes", False)) and call.run is None
+
+
+def _kept(given: Any) -> tuple[str, ...]:
+    """The forms of the ``ckpt_path`` given that a worker may compare a checkpoint's path with."""
+    if not isinstance(given, (str, os.PathLike)):
+        return ()
+    given = os.fspath(given)
+    return (given, os.path.abspath(given)) if _lightning.is_local_file_protocol(given) else (given,)
 
 
 def _staging_area(nodes: Mapping[int, NodeInfo]) -> files.StagingArea | None:

@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 _PROBE_TIMEOUT_S = 30.0
 
 
+def given_checkpoint(function: Callable, args: tuple, kwargs: dict) -> Any:
+    """The ``ckpt_path`` argument of the call, as given (None when it has none)."""
+    return _given_checkpoint(function, args, kwargs)
+
+
 def _given_checkpoint(function: Callable, args: tuple, kwargs: dict) -> Any:
     try:
         return inspect.signature(function).bind_partial(*args, **kwargs).arguments.get("ckpt_path")
@@ -158,9 +163,11 @@ def _deepest_unpicklable(obj: Any, path: str, depth: int) -> str | None:
 
 
 def checkpoint_files(
-    path: str | None, local: bool, remote: bool
+    path: str | None, local: bool, remote: bool, in_storage: bool = False
 ) -> tuple[CheckpointFile | None, CheckpointFile | None]:
     """The ``ckpt_path`` file for workers on the driver's machine (read in place) and on others (sent).
+
+    ``in_storage``: the path is in the run's storage (``storage_path``), which every worker reads itself.
 
     Workers on other machines may not see the driver's file: it goes once through the object
     store (only when some worker is ``remote``) and each of them writes it locally. A sharded
@@ -169,6 +176,9 @@ def checkpoint_files(
     """
     if path is None:
         return None, None
+    if in_storage:
+        read_there = CheckpointFile(path)
+        return (read_there if local else None), (read_there if remote else None)
     shipped = None
     if remote:
         shipped = CheckpointFile(path, ray.put(_read_checkpoint(path)))

@@ -3,7 +3,8 @@
 The launcher runs a call's attempts (:meth:`ray_lightning.launch.launcher.RayLauncher.launch`);
 whether a failure is followed by a restart is decided in :mod:`.failures`. :class:`Recovery` keeps
 what the attempts share: rank 0's newest recovery checkpoint (:mod:`ray_lightning.home.recovery`),
-kept as a file in a private directory on the driver's machine, the files a staged rank 0 mirrored
+kept as a file in a private directory on the driver's machine (with ``storage_path``: where it is in the
+run's folder, :mod:`ray_lightning.home.storage`), the files a staged rank 0 mirrored
 here, a preemption rank 0 checkpointed for, and each restart, logged and recorded
 (``trainer.strategy.restarts``).
 
@@ -26,14 +27,14 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from ray_lightning.config.restarts import RecoverySettings
 from ray_lightning.errors import RayWorkerError, WorkerPreemptedError
-from ray_lightning.home import files
+from ray_lightning.home import files, storage
 from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.failures import Failure
 from ray_lightning.launch.preemption import forget_notice
@@ -72,14 +73,21 @@ class _Checkpoint:
     global_step: int
     log_step: int
     reason: str
-    random_states: Any = None  # rank 0's generators at the first step after it
 
 
 class Recovery:
     """The driver's side of one call's attempts, and of its restarts (``settings.max_failures`` of them at most)."""
 
-    def __init__(self, settings: RecoverySettings, scope: files.WriteScope, history: list[Restart]) -> None:
+    def __init__(
+        self,
+        settings: RecoverySettings,
+        scope: files.WriteScope,
+        history: list[Restart],
+        run: storage.Run | None = None,
+    ) -> None:
         self.settings = settings
+        self.run = run  # with storage_path: the checkpoints are in the run's folder, never on this machine
+        self._random_states: dict[int, Any] = {}  # rank 0's generators after the checkpoint of each step
         self.restarts: list[Restart] = []  # this call's
         self._history = history  # every call's: ``trainer.strategy.restarts``
         self._scope = scope
@@ -93,7 +101,14 @@ class Recovery:
 
     @property
     def enabled(self) -> bool:
+        """Whether the call may restart its workers (``max_failures > 0``)."""
         return self.settings.enabled
+
+    @property
+    def takes_checkpoints(self) -> bool:
+        """Whether the ranks take recovery checkpoints: for restarts, and with storage_path for a run that
+        outlives its driver (:meth:`resume_from_storage`)."""
+        return self.settings.enabled or self.run is not None
 
     @property
     def synced(self) -> frozenset[str]:
@@ -102,7 +117,7 @@ class Recovery:
 
     def plan(self, infos: Iterable[NodeInfo]) -> RecoveryPlan | None:
         """What the workers of the next attempt do for recovery (None: nothing)."""
-        if not self.enabled:
+        if not self.takes_checkpoints:
             return None
         nodes = tuple(dict.fromkeys(info.node_id for info in infos))
         latest = self._latest if self.restarts else None
@@ -112,8 +127,13 @@ class Recovery:
             nodes,
             attempt=len(self.restarts),
             log_step=latest.log_step if latest is not None else None,
-            random_states=latest.random_states if latest is not None else None,
+            random_states=self._random_states.get(latest.global_step) if latest is not None else None,
+            storage_run=self.run,
         )
+
+    def resume_from_storage(self, entry: storage.RecoveryEntry) -> None:
+        """A new driver of a run found ``entry`` in its folder: the call starts from there."""
+        self._latest = _checkpoint_in_storage(entry.header)
 
     def receive(self, header: dict[str, Any], ref: ray.ObjectRef) -> None:
         """A recovery checkpoint from rank 0 (the driver channel's ``on_object``): keep it on this machine."""
@@ -123,8 +143,14 @@ class Recovery:
             log.warning("ray_lightning: could not read the recovery checkpoint rank 0 sent: %s", error)
             return
         if "random_states_for" in header:
-            if self._latest is not None and self._latest.global_step == header["random_states_for"]:
-                self._latest = replace(self._latest, random_states=value)
+            # Kept by step: with storage, the checkpoint's own word may come after them.
+            self._random_states = {header["random_states_for"]: value}
+            return
+        if "resume_from" in header:
+            self._latest = _checkpoint_in_storage(header)
+            log.debug("ray_lightning: recovery checkpoint in %s", header["folder"])
+            if header.get("preemption"):
+                self._going_away = header
             return
         path = self._write_checkpoint(value["checkpoint"])
         self._latest = _Checkpoint(path, header["epoch"], header["global_step"], header["log_step"], header["reason"])
@@ -168,6 +194,11 @@ class Recovery:
 
     def record_restart(self, failure: Failure) -> Restart:
         """Log and record the restart that follows ``failure`` (:func:`~.failures.decide` chose it)."""
+        if self.run is not None:
+            # Rank 0 may have completed a checkpoint and died before its word reached this process.
+            found = storage.newest_complete(self.run)
+            if found is not None and (self._latest is None or found.header["global_step"] >= self._latest.global_step):
+                self._latest = _checkpoint_in_storage(found.header)
         latest = self._latest
         restart = Restart(
             number=len(self.restarts) + 1,
@@ -228,8 +259,13 @@ class Recovery:
         if self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
             self._directory = None
-        if self.enabled:
+        if self.takes_checkpoints:
             forget_notice(self.notice_key)
+
+
+def _checkpoint_in_storage(header: dict[str, Any]) -> _Checkpoint:
+    fields = ("resume_from", "epoch", "global_step", "log_step", "reason")
+    return _Checkpoint(*(header[name] for name in fields))
 
 
 def _first_line(error: BaseException) -> str:

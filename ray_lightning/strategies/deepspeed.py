@@ -90,6 +90,9 @@ class RayDeepSpeedStrategy(RayWorkersMixin, RankPartsMixin):
         trainer.fit(model)  # the full trained weights are in `model` afterwards
     """
 
+    # Its engine writes checkpoints with local file I/O: storage_path must be a directory every node mounts.
+    writes_to_urls = False
+
     registry_name = "deepspeed_ray"
     lightning_base = "strategies.DeepSpeedStrategy"
 

@@ -64,6 +64,9 @@ class RayFSDP1Strategy(RayWorkersMixin, FullCheckpointsMixin):
         trainer.fit(model)  # the full trained weights are in `model` afterwards
     """
 
+    # Its engine writes checkpoints with local file I/O: storage_path must be a directory every node mounts.
+    writes_to_urls = False
+
     registry_name = "fsdp1_ray"
     lightning_base = "strategies.FSDPStrategy"
 

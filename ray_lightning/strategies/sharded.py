@@ -16,6 +16,9 @@ checkpoint gathered on rank 0 for restarts and Tune; ``RayFSDP1Strategy``).
   another machine than the driver writes its shard into a staging directory and sends it home,
   where it lands beside the others at the driver's path. Full checkpoints are written by rank 0.
   Loading takes a directory or a file, saved on any number of ranks (``fit``/``test(ckpt_path=...)``).
+* **Storage.** With ``storage_path`` every rank writes its shards of each checkpoint straight into the
+  run's folder (a URL or a mounted directory), in the background; a recovery checkpoint is sharded
+  too (:meth:`ShardedWorkersMixin.checkpoint_to_storage`), never gathered, and loads on any number of ranks.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +36,8 @@ import torch
 from typing_extensions import override
 
 from ray_lightning import _lightning, namespaces
+from ray_lightning.config.storage import is_local
+from ray_lightning.home import storage
 from ray_lightning.home.files import local_path
 from ray_lightning.home.weights import WeightPart
 
@@ -101,6 +107,12 @@ class RankPartsMixin:
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
+        if self.workers.storage.enabled:
+            # One place every rank wrote into: rank 0 removes it, after its upload in flight.
+            if self.global_rank == 0:
+                location = os.fspath(filepath)
+                storage.uploads().run_in_order(f"the removal of {location}", lambda: storage.remove(location))
+            return
         # Every rank removes its own part (ModelCheckpoint replacing an older checkpoint).
         path = self._local_checkpoint_path(filepath)
         if path.is_dir():
@@ -208,10 +220,58 @@ class ShardedWorkersMixin(FullCheckpointsMixin):
         if self.global_rank == 0:
             torch.save(checkpoint, path / _lightning.sharded.metadata_filename(self.namespace))
 
+    def checkpoint_to_storage(self, trainer: pl.Trainer, folder: str, complete: Callable[[str], None]) -> None:
+        """A recovery checkpoint into ``folder`` (collective): each rank writes its own shards, in the background;
+        ``complete(folder)`` runs in rank 0 once every rank's are written. Never gathered on one rank."""
+        with _lightning.sharded.sharded_checkpoints(self):
+            checkpoint = _lightning.dump_checkpoint(trainer)
+        self._save_sharded_in_background(checkpoint, folder, complete)
+
+    def _save_sharded_in_background(
+        self, checkpoint: dict[str, Any], location: str, complete: Callable[[str], None] | None = None
+    ) -> None:
+        """torch's distributed checkpoint into ``location`` (a URL or a mounted directory), staged in memory on this
+        thread and written beside training over a process group of its own; rank 0 then writes the rest (meta.pt)."""
+        import torch.distributed.checkpoint as dcp
+
+        converted = {"state_dict": checkpoint.pop("state_dict")}
+        for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            converted[f"optimizer_{index}"] = optimizer_state
+        metadata = storage.join(location, _lightning.sharded.metadata_filename(self.namespace))
+        rank_zero = self.global_rank == 0
+
+        def start() -> Callable[[], None]:
+            rest = storage.serialize(checkpoint) if rank_zero else None
+            future = dcp.async_save(converted, checkpoint_id=location, process_group=self._upload_group())
+
+            def job() -> None:
+                future.result()  # in rank 0: every rank's shards are written
+                if rest is not None:
+                    storage.write_bytes(metadata, rest)
+                    if complete is not None:
+                        complete(location)
+
+            return job
+
+        storage.uploads().submit(location, start)
+
+    def _upload_group(self) -> Any:
+        """A gloo process group for the uploads' collectives, apart from training's (made once, by every rank)."""
+        if getattr(self, "_uploads_group", None) is None:
+            self._uploads_group = torch.distributed.new_group(backend="gloo")
+        return self._uploads_group
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options.")
+        if self.workers.storage.enabled:
+            location = os.fspath(self.broadcast(filepath))
+            if _lightning.sharded.saves_sharded_checkpoints(self):
+                self._save_sharded_in_background(checkpoint, location)
+            elif self.global_rank == 0:
+                self.checkpoint_io.save_checkpoint(checkpoint, location)  # in the background (home.background_io)
+            return
         path = self._local_checkpoint_path(self.broadcast(filepath))
         if _lightning.sharded.saves_sharded_checkpoints(self):
             self.save_sharded_checkpoint(checkpoint, path)
@@ -226,12 +286,46 @@ class ShardedWorkersMixin(FullCheckpointsMixin):
         # Each rank reads its own copy of the file or directory (the launcher ships it to every machine):
         # no broadcast of rank 0's path. The optimizers are loaded only when fitting.
         fitting = self.lightning_module.trainer.state.fn == namespaces.FITTING
-        state = {"state_dict": self.model}
-        if fitting:
-            state.update({f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)})
+        optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)} if fitting else {}
         weights_only = kwargs.get("weights_only", args[0] if args else None)
         strict = self.lightning_module.strict_loading
-        return _lightning.sharded.load_checkpoint(self.namespace, Path(checkpoint_path), state, strict, weights_only)
+        location = os.fspath(checkpoint_path)
+        if self.workers.storage.enabled:
+            storage.uploads().wait()  # it may be one this rank is still writing
+        if not is_local(location):
+            return self._load_from_url(location, optimizers, strict, weights_only)
+        state = {"state_dict": self.model, **optimizers}
+        return _lightning.sharded.load_checkpoint(self.namespace, Path(location), state, strict, weights_only)
+
+    def _load_from_url(self, url: str, optimizers: dict[str, Any], strict: bool, weights_only: Any) -> dict[str, Any]:
+        """A sharded checkpoint folder in storage: each rank reads the parts of the shards it holds (any number of
+        ranks may have saved it). A full file is read into a local copy first."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultLoadPlanner
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        fs, path = storage.filesystem(url)
+        if not fs.isdir(path):
+            with tempfile.TemporaryDirectory(prefix="ray_lightning-ckpt-") as directory:
+                local = os.path.join(directory, os.path.basename(path))
+                fs.get_file(path, local)
+                state = {"state_dict": self.model, **optimizers}
+                return _lightning.sharded.load_checkpoint(self.namespace, Path(local), state, strict, weights_only)
+        options = StateDictOptions(strict=strict)
+        state = {"state_dict": get_model_state_dict(self.model)}
+        state.update({k: get_optimizer_state_dict(self.model, o) for k, o in optimizers.items()})
+        dcp.load(state, checkpoint_id=url, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+        set_model_state_dict(self.model, state["state_dict"], options=options)
+        for key, optimizer in optimizers.items():
+            set_optimizer_state_dict(self.model, optimizer, state[key], options=options)
+        with fs.open(f"{path}/{_lightning.sharded.metadata_filename(self.namespace)}", "rb") as f:
+            return torch.load(f, weights_only=bool(weights_only), map_location="cpu")
 
 
 def shard_layout(tensor: Any) -> tuple[tuple[tuple[int, int], ...], bool] | None:

@@ -30,9 +30,11 @@ from typing_extensions import override
 from ray_lightning import _lightning, namespaces, runtime
 from ray_lightning._lightning import LightningStrategyHooks
 from ray_lightning.config.resources import WorkerResources, refuse_nccl_on_a_shared_gpu
+from ray_lightning.config.storage import name_now
 from ray_lightning.config.timeouts import DEFAULT_PROGRESS_TIMEOUT_S
 from ray_lightning.config.workers import WorkerSpec
 from ray_lightning.environment import RayEnvironment
+from ray_lightning.home.background_io import BackgroundCheckpointIO
 from ray_lightning.launch.launcher import RayLauncher
 from ray_lightning.launch.network import interface_for, listener_environment
 from ray_lightning.launch.rendezvous import Rendezvous, TorchStoreRendezvous
@@ -62,6 +64,8 @@ _BOUNDS = (
     _P("scale_up_timeout_s", _P.KEYWORD_ONLY, default=None, annotation=float | None),
     _P("max_failures", _P.KEYWORD_ONLY, default=None, annotation=int | None),
     _P("recovery_checkpoint_every_n_steps", _P.KEYWORD_ONLY, default=None, annotation=int | None),
+    _P("storage_path", _P.KEYWORD_ONLY, default=None, annotation=str | None),
+    _P("run_name", _P.KEYWORD_ONLY, default=None, annotation=str | None),
 )
 SHARED = (*_LEADING, *_RESOURCES, *_BOUNDS)
 
@@ -179,6 +183,20 @@ def _with_default(parameter: inspect.Parameter, default: Any) -> inspect.Paramet
     return parameter.replace(default=default, annotation=annotation)
 
 
+def _tune_trial_id() -> str | None:
+    """The Tune trial this process runs, if any."""
+    import warnings
+
+    try:
+        from ray import tune
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # outside a trial Tune warns and answers None
+            return tune.get_context().get_trial_id()
+    except Exception:  # noqa: BLE001 - no Tune, or no session: not a trial
+        return None
+
+
 class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
     """Workers on Ray actors for a Lightning ``ParallelStrategy`` subclass; see the module docstring."""
 
@@ -187,6 +205,8 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
     # A Trainer of the other Lightning namespace uses a rebuild of this strategy: the caller's object
     # shows its restarts too (namespaces.rebuild_for).
     shared_with_rebuild = ("restarts",)
+    # Whether its checkpoints can go to an fsspec URL (storage_path="s3://..."); else only to a mounted directory.
+    writes_to_urls = True
     _cluster_environment: RayEnvironment | None
     namespace: namespaces.Namespace
     init_arguments: dict[str, Any]
@@ -200,6 +220,12 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
 
     def use_workers(self, workers: WorkerSpec) -> None:
         """Keep ``workers``: called by the constructor (:func:`worker_arguments`) before the strategy's own code."""
+        if workers.storage.is_remote and not self.writes_to_urls:
+            raise ValueError(
+                f"{type(self).__name__} writes its checkpoints with local file I/O and cannot write to "
+                f"storage_path={workers.storage.path!r}: give a directory every node mounts, or leave storage_path "
+                "out (checkpoints then come home to this machine)."
+            )
         self.workers = workers
         # Every restart of this strategy's workers inside its calls (ray_lightning.launch.recovery.Restart).
         self.restarts: list[Any] = []
@@ -218,6 +244,20 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
         return {name for name, p in parameters if p.kind in named and name != "self"}
 
     # -- what the workers are, as users read it ----------------------------------------------------
+
+    @property
+    def storage_path(self) -> str | None:
+        """Where the run's files go (``storage_path``), None: they come home to the driver."""
+        return self.workers.storage.path
+
+    def run_name_now(self) -> str:
+        """The run's name: ``run_name``, else one made from the script and the time at the first call (then kept)."""
+        if self.workers.storage.run_name is not None:
+            return self.workers.storage.run_name
+        if getattr(self, "_made_run_name", None) is None:
+            # Trials of a Tune search start together, from the same script: each gets a folder of its own.
+            self._made_run_name = name_now(tag=_tune_trial_id())
+        return self._made_run_name
 
     @property
     def resources(self) -> WorkerResources:
@@ -285,6 +325,51 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
     def collective_errors(self) -> tuple[type[BaseException], ...]:
         """What its collectives raise, besides torch's ``DistError``, when a peer went away (launch.failures)."""
         return ()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self._worker is None and "optimizer_states" in checkpoint:
+            raise RuntimeError(
+                f"trainer.save_checkpoint({os.fspath(filepath)!r}) on the driver would write a checkpoint without the "
+                "optimizers' and schedulers' states: they live in the Ray workers, so a fit resumed from it would "
+                "start a fresh optimizer. Write the weights alone with "
+                "trainer.save_checkpoint(path, weights_only=True), or resume from a checkpoint the workers wrote: "
+                "ModelCheckpoint(save_last=True) and "
+                "trainer.checkpoint_callback.last_model_path."
+            )
+        if self._worker is None:
+            if getattr(self, "_send_full_weights", True) is False:
+                raise RuntimeError(
+                    f"trainer.save_checkpoint({os.fspath(filepath)!r}) on the driver: the trained weights stayed in "
+                    "the workers' checkpoints (full_weights_home), so this process holds the untrained ones. Use "
+                    "the checkpoints ModelCheckpoint wrote, or pass full_weights_home=True."
+                )
+            # The driver's module, whole: one file (a sharded strategy's own saving is collective, for its workers).
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        # Nothing removes the checkpoint the fit resumed from (ModelCheckpoint's rotation would: Lightning#21813).
+        kept = {*(self._worker.keep_checkpoints if self._worker is not None else ()), *self._resumed_from()}
+        path = os.fspath(filepath)
+        if path in kept or (_lightning.is_local_file_protocol(path) and os.path.abspath(path) in kept):
+            self.namespace.pl("utilities.rank_zero.rank_zero_info")(
+                f"ray_lightning: kept {path}: the fit resumed from it, so no checkpoint rotation removes it."
+            )
+            return
+        super().remove_checkpoint(filepath)
+
+    def _resumed_from(self) -> tuple[str, ...]:
+        try:
+            given = self.lightning_module.trainer.ckpt_path
+        except (AttributeError, RuntimeError):  # no module, or not attached to a Trainer
+            return ()
+        if not isinstance(given, (str, os.PathLike)):
+            return ()
+        given = os.fspath(given)
+        return (given, os.path.abspath(given)) if _lightning.is_local_file_protocol(given) else (given,)
 
     @override
     def make_launcher(self) -> RayLauncher:
@@ -397,6 +482,9 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
             # Lightning built it for the driver's device; a GradScaler made where CUDA is absent is
             # disabled for good, so build it anew for the device this worker trains on.
             self.precision_plugin = mixed_precision(plugin.precision, self.root_device.type)
+        if self.workers.storage.enabled and not isinstance(self.checkpoint_io, BackgroundCheckpointIO):
+            # Rank 0's checkpoint files go to storage while training goes on (home.background_io).
+            self.checkpoint_io = BackgroundCheckpointIO(self.checkpoint_io)
 
     def detach_worker(self) -> None:
         """Called by the worker after a call succeeded: leave the process group, so that the

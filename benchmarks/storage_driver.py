@@ -1,0 +1,512 @@
+"""One storage-benchmark measurement: a fresh driver process runs one case's fit and writes what it saw.
+
+    python -m benchmarks.storage_driver --contender mem_storage --spec spec.json --result result.json
+
+Started by :mod:`benchmarks.storage`, once per case and repeat (the resume case: twice, the first driver
+SIGKILLed by the harness). The driver connects to the harness's Ray cluster before any timer starts, then
+fits the sharded benchmark's model (:mod:`benchmarks.sharded_workload`) for several epochs with
+checkpoints at every epoch end (or none, in the reference cases), into the harness's S3 server where the
+case has ``storage_path``. Every rank runs :class:`CheckpointProbe`, which writes a file per rank (its peak
+RSS, how long each epoch-end checkpoint held its training thread); rank 0 runs the benchmarks'
+:class:`~benchmarks.workload.StepClock`. Every process is on one machine, so all ``time.time()`` compare.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import resource
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from benchmarks.measure import _fit_metrics, _peak_rss_mb, measurement_main
+from benchmarks.sharded_measure import MemorySampler
+from benchmarks.sharded_workload import Block, ShardedModule, ShardedSpec
+from benchmarks.workload import Spec, StepClock, pl, read_clock, trainer_kwargs
+
+# The folder of the bucket where ray_lightning's runs go, and Ray Train's.
+RUNS = "runs"
+RAY_TRAIN_RUNS = "ray_train"
+# Ray Train's callback and ray_lightning's recovery callback: the epoch-end checkpoints the probe times.
+_CHECKPOINT_CALLBACKS = ("RecoveryCheckpoints", "RayTrainReportCallback")
+
+
+@dataclass
+class StorageSpec(ShardedSpec):
+    """:class:`~benchmarks.sharded_workload.ShardedSpec` plus the sizes of the three parts; ``steps`` and
+    ``blocks``: the memory part's (per epoch), ``cost_*``: the checkpoint-cost and resume parts'."""
+
+    steps: int = 2
+    epochs: int = 2
+    warmup: int = 4
+    # The checkpoint-cost and resume parts: fewer blocks (5 x 8.4M parameters + the ends: 42M, 168 MB; with
+    # Adam's two moments 505 MB of state), Adam, epochs of `cost_steps` steps.
+    cost_blocks: int = 5
+    cost_steps: int = 10
+    cost_epochs: int = 3
+    # Set by the harness for each measurement: the bucket (s3://name), the S3 endpoint, the run's name.
+    bucket: str = ""
+    endpoint: str = ""
+    run_name: str = ""
+    # How long the first driver of the resume case holds at its second epoch's start, waiting to be killed.
+    hold_s: float = 600.0
+
+    @classmethod
+    def tiny(cls) -> StorageSpec:
+        """Every code path in seconds of compute."""
+        sizes = asdict(ShardedSpec.tiny())
+        return cls(**{**sizes, "steps": 2, "warmup": 1, "blocks": 2}, epochs=2, cost_blocks=2, cost_steps=3,
+                   cost_epochs=2)  # fmt: skip
+
+    def shape(self, part: str) -> tuple[StorageSpec, int]:
+        """The module's sizes (``steps``: per epoch) and the epochs of a fit of ``part``."""
+        if part == "memory":
+            return self, self.epochs
+        return replace(self, blocks=self.cost_blocks, steps=self.cost_steps), self.cost_epochs
+
+    @property
+    def storage_url(self) -> str:
+        return f"{self.bucket}/{RUNS}"
+
+
+class AdamModule(ShardedModule):
+    """The sharded benchmark's model trained with Adam: two moments per parameter, the state a checkpoint holds."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One way to run the fit: its name on the command line, its label in the tables."""
+
+    name: str
+    label: str
+    part: str  # "memory", "cost" or "resume"
+    sharded: bool = True  # RayFSDPStrategy, else RayStrategy (DDP)
+    max_failures: int = 1
+    storage: bool = True  # storage_path=s3://<bucket>/runs
+    sync: bool = False  # every checkpoint waits for its upload (ray_lightning.home.storage.uploads().wait())
+    ray_train: str | None = None  # Ray Train's checkpoint_upload_mode: "SYNC" or "ASYNC"
+    against: str | None = None  # the synchronous case of the same strategy (cost part)
+    hold: bool = False  # the resume case's first driver: holds at the second epoch until the harness kills it
+
+    @property
+    def checkpoints(self) -> bool:
+        return self.storage or self.max_failures > 0 or self.ray_train is not None
+
+
+_FSDP = "RayFSDPStrategy(num_workers=2"
+CASES: dict[str, Case] = {
+    c.name: c
+    for c in (
+        Case("mem_none", f"{_FSDP}, max_failures=0): no recovery checkpoints (reference)", "memory",
+             max_failures=0, storage=False),
+        Case("mem_driver", f"{_FSDP}, max_failures=1), no storage_path: gathered on rank 0, kept by the driver",
+             "memory", storage=False),
+        Case("mem_storage", f"{_FSDP}, max_failures=1, storage_path=s3://...): each rank uploads its shard",
+             "memory"),
+        Case("cost_fsdp_none", f"{_FSDP}, max_failures=0): no checkpoints (step reference)", "cost",
+             max_failures=0, storage=False),
+        Case("cost_fsdp_sync", f"{_FSDP}, max_failures=1, storage_path=s3://...), each save waits for its upload",
+             "cost", sync=True),
+        Case("cost_fsdp_async", f"{_FSDP}, max_failures=1, storage_path=s3://...): uploads in the background",
+             "cost", against="cost_fsdp_sync"),
+        Case("cost_ddp_none", "RayStrategy(num_workers=2, max_failures=0): no checkpoints (step reference)", "cost",
+             sharded=False, max_failures=0, storage=False),
+        Case("cost_ddp_sync", "RayStrategy(num_workers=2, max_failures=1, storage_path=s3://...), each save waits "
+             "for its upload", "cost", sharded=False, sync=True),
+        Case("cost_ddp_async", "RayStrategy(num_workers=2, max_failures=1, storage_path=s3://...): uploads in the "
+             "background", "cost", sharded=False, against="cost_ddp_sync"),
+        Case("ray_train_sync", "Ray Train TorchTrainer + RayDDPStrategy, RunConfig(storage_path=S3), "
+             "RayTrainReportCallback(checkpoint_upload_mode=SYNC)", "cost", sharded=False, ray_train="SYNC"),
+        Case("ray_train_async", "Ray Train TorchTrainer + RayDDPStrategy, RunConfig(storage_path=S3), "
+             "RayTrainReportCallback(checkpoint_upload_mode=ASYNC)", "cost", sharded=False, ray_train="ASYNC",
+             against="ray_train_sync"),
+        Case("cold_start", f"{_FSDP}, max_failures=1, storage_path=s3://..., run_name=<new>): no checkpoint yet",
+             "resume"),
+        Case("resume", f"{_FSDP}, max_failures=1, storage_path=s3://..., run_name=<the killed driver's>): the "
+             "same script again after its driver was SIGKILLed", "resume"),
+    )
+}  # fmt: skip
+# The resume case's first driver, run by the harness before each `resume` measurement (not a case of its own).
+FIRST_DRIVER = Case("resume_first", "the resume case's first driver (SIGKILLed)", "resume", hold=True)
+DRIVER_CASES = {**CASES, FIRST_DRIVER.name: FIRST_DRIVER}
+
+
+def _rss_mb() -> float:
+    """This process's resident memory now, MB (0 where /proc is absent)."""
+    return MemorySampler.sample().get("VmRSS", 0.0)
+
+
+def fixed_mmap_threshold(threshold: int = 1 << 20) -> bool:
+    """glibc: every allocation of ``threshold`` bytes or more its own mapping, returned to the OS when freed.
+
+    By default glibc raises that threshold (up to 32 MB) each time a mapped block is freed, after which
+    tensors of a few MB come from its heaps, which keep freed memory: a process's peak RSS then depends on
+    how its allocations happened to interleave (the same fit's ranks differed by 0.5-0.9 GB from run to run).
+    With the threshold fixed, RSS follows the memory in use. Where glibc is absent, nothing changes (False).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+def coarse(timeline: list[tuple[float, float]], period_s: float = 1.0) -> list[tuple[float, float]]:
+    """The highest sample of every ``period_s`` of a (time, RSS) timeline: where the peak was, in a small file."""
+    kept: dict[int, tuple[float, float]] = {}
+    for at, rss in timeline:
+        slot = int(at // period_s)
+        if slot not in kept or rss > kept[slot][1]:
+            kept[slot] = (at, rss)
+    return [kept[slot] for slot in sorted(kept)]
+
+
+def _wait_for_uploads() -> None:
+    from ray_lightning.home import storage
+
+    storage.uploads().wait()
+
+
+def _uploads_blocked_s() -> float:
+    from ray_lightning.home import storage
+
+    return storage.uploads().blocked_s
+
+
+class CheckpointProbe(pl.Callback):
+    """In every rank: how long each epoch-end checkpoint held the training thread, the peak RSS, the start step.
+
+    The checkpoint is taken by another callback (ray_lightning's ``RecoveryCheckpoints``, Ray Train's
+    ``RayTrainReportCallback``) in its ``on_train_epoch_end``: at ``on_train_start`` the probe wraps that
+    hook with a timer. ``sync``: the wrapped hook then waits for the upload it started, a synchronous save.
+    ``hold_s``: rank 0 waits at the second epoch's start (the harness kills the driver meanwhile).
+    ``exact_memory``: glibc's mmap threshold fixed at ``setup`` (:func:`fixed_mmap_threshold`), for the memory cases.
+    At ``teardown`` (after waiting for the last upload, where the ranks upload) it writes
+    ``<prefix>.rank<N>.json``.
+    """
+
+    def __init__(
+        self, prefix: str, sync: bool, uploads: bool, hold_s: float | None = None, exact_memory: bool = False
+    ) -> None:
+        self.prefix, self.sync, self.uploads, self.hold_s = prefix, sync, uploads, hold_s
+        self.exact_memory = exact_memory
+        self.checkpoints: list[dict[str, Any]] = []
+        self.start_step: int | None = None
+        self.rss_at_start = 0.0
+        self.wrapped: list[str] = []
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.exact_memory:
+            fixed_mmap_threshold()
+        self._timeline: list[tuple[float, float]] = []
+        self._sampling = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+
+    def _sample(self) -> None:
+        while not self._sampling.wait(0.1):
+            self._timeline.append((time.time(), _rss_mb()))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start_step = trainer.global_step
+        self.rss_at_start = _rss_mb()
+        for callback in trainer.callbacks:
+            if type(callback).__name__ in _CHECKPOINT_CALLBACKS:
+                self._wrap(callback)
+
+    def _wrap(self, callback: Any) -> None:
+        original = callback.on_train_epoch_end
+
+        def timed(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            at, started = time.time(), time.perf_counter()
+            original(trainer, pl_module)
+            call_s = time.perf_counter() - started
+            if self.sync:
+                _wait_for_uploads()
+            blocked_s = time.perf_counter() - started
+            record = {"global_step": trainer.global_step, "at": at, "call_s": call_s, "blocked_s": blocked_s}
+            self.checkpoints.append(record)
+
+        callback.on_train_epoch_end = timed  # Lightning calls the hook it finds on the instance
+        self.wrapped.append(type(callback).__name__)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.hold_s is None or trainer.current_epoch != 1 or trainer.global_rank != 0:
+            return
+        # The first epoch's checkpoint is being uploaded: wait here until the harness, which saw it complete in
+        # the bucket, kills this driver (its workers go with it). Bounded: then the fit goes on and the harness,
+        # which found no marker, records a failure.
+        deadline = time.monotonic() + self.hold_s
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        waited = _uploads_blocked_s() if self.uploads else None  # before the wait below adds to it
+        if self.uploads:
+            _wait_for_uploads()  # the fit waits for the last upload right after; its memory counts
+        self._sampling.set()
+        self._sampler.join()
+        record = {
+            "timeline": coarse(self._timeline),
+            "rank": trainer.global_rank,
+            "pid": os.getpid(),
+            # ru_maxrss: KiB on Linux, the high-water mark of this worker process.
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "rss_at_train_start_mb": self.rss_at_start,
+            "start_step": self.start_step,
+            "final_step": trainer.global_step,
+            "checkpoints": self.checkpoints,
+            "wrapped": self.wrapped,
+            "uploads_blocked_s": waited,
+        }
+        path = f"{self.prefix}.rank{trainer.global_rank}.json"
+        with open(path + ".partial", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".partial", path)
+
+
+def read_ranks(prefix: str) -> dict[int, dict[str, Any]]:
+    """Every rank's probe file, by rank."""
+    records = {}
+    for path in glob.glob(f"{prefix}.rank*.json"):
+        with open(path) as f:
+            record = json.load(f)
+        records[record["rank"]] = record
+    return records
+
+
+def _trainer_arguments(sizes: Spec, epochs: int) -> dict[str, Any]:
+    return {**trainer_kwargs(sizes, sizes.steps), "max_epochs": epochs}
+
+
+def _module(sizes: StorageSpec, part: str) -> ShardedModule:
+    return ShardedModule(sizes) if part == "memory" else AdamModule(sizes)
+
+
+def _callbacks(spec: StorageSpec, case: Case, prefix: str) -> list[pl.Callback]:
+    probe = CheckpointProbe(prefix, case.sync, uploads=case.storage and case.ray_train is None,
+                            hold_s=spec.hold_s if case.hold else None,
+                            exact_memory=case.part == "memory")  # fmt: skip
+    return [StepClock(prefix + ".clock"), probe]
+
+
+def _ray_lightning_fit(spec: StorageSpec, case: Case, prefix: str, sizes: StorageSpec, epochs: int) -> dict[str, Any]:
+    from ray_lightning import RayFSDPStrategy, RayStrategy
+
+    options: dict[str, Any] = {"num_workers": spec.workers, "max_failures": case.max_failures}
+    if case.storage:
+        options.update(storage_path=spec.storage_url, run_name=spec.run_name)
+    if case.sharded:
+        # As the sharded benchmark's ray_fsdp contender: each block one FSDP unit, the weights home after fit.
+        strategy = RayFSDPStrategy(auto_wrap_policy={Block}, full_weights_home=True, **options)
+    else:
+        strategy = RayStrategy(**options)
+    trainer = pl.Trainer(**_trainer_arguments(sizes, epochs), strategy=strategy,
+                         callbacks=_callbacks(spec, case, prefix))  # fmt: skip
+    module = _module(sizes, case.part)
+    with MemorySampler() as sampler:
+        t0 = time.time()
+        trainer.fit(module)
+        t1 = time.time()
+    return {
+        "t0": t0,
+        "t1": t1,
+        "driver_peak_rss_mb": _peak_rss_mb(),
+        "driver_peak_shmem_mb": sampler.peak.get("RssShmem"),
+        "model_mb": sum(t.numel() * t.element_size() for t in module.state_dict().values()) / 2**20,
+        "params": sum(p.numel() for p in module.parameters()),
+        "driver_global_step": trainer.global_step,
+        "restarts": len(trainer.strategy.restarts),
+    }
+
+
+def ray_train_filesystem(endpoint: str) -> Any:
+    """pyarrow's S3 filesystem on the harness's server (Ray Train's storage goes through pyarrow, not fsspec)."""
+    from pyarrow import fs
+
+    scheme, _, host = endpoint.partition("://")
+    return fs.S3FileSystem(access_key=os.environ["AWS_ACCESS_KEY_ID"], secret_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+                           region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"), endpoint_override=host,
+                           scheme=scheme)  # fmt: skip
+
+
+def _ray_train_loop(config: dict[str, Any]) -> None:
+    """Ray Train's ``train_loop_per_worker``: Ray Train's Lightning recipe, a checkpoint reported at every epoch end."""
+    from ray.train import CheckpointUploadMode
+    from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback, prepare_trainer
+
+    spec, case = StorageSpec.from_json(config["spec"]), DRIVER_CASES[config["case"]]
+    sizes, epochs = spec.shape(case.part)
+    report = RayTrainReportCallback(checkpoint_upload_mode=CheckpointUploadMode[case.ray_train or "SYNC"])
+    trainer = pl.Trainer(
+        **_trainer_arguments(sizes, epochs),
+        strategy=RayDDPStrategy(),
+        plugins=[RayLightningEnvironment()],
+        accelerator="cpu",
+        devices="auto",
+        callbacks=[*_callbacks(spec, case, config["prefix"]), report],
+    )
+    trainer = prepare_trainer(trainer)
+    trainer.fit(_module(sizes, case.part))
+
+
+def _ray_train_fit(spec: StorageSpec, case: Case, prefix: str, sizes: StorageSpec, epochs: int) -> dict[str, Any]:
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    trainer = TorchTrainer(
+        _ray_train_loop,
+        train_loop_config={"spec": spec.to_json(), "case": case.name, "prefix": prefix},
+        scaling_config=ScalingConfig(num_workers=spec.workers, use_gpu=False),
+        run_config=RunConfig(
+            # pyarrow wants the bucket and path without the scheme when it is given the filesystem.
+            storage_path=f"{spec.bucket.removeprefix('s3://')}/{RAY_TRAIN_RUNS}",
+            storage_filesystem=ray_train_filesystem(spec.endpoint),
+            name=spec.run_name,
+            # As ray_lightning keeps only its newest recovery checkpoint.
+            checkpoint_config=CheckpointConfig(num_to_keep=1),
+        ),
+    )
+    module = _module(sizes, case.part)
+    t0 = time.time()
+    result = trainer.fit()
+    t1 = time.time()
+    return {
+        "t0": t0,
+        "t1": t1,
+        "driver_peak_rss_mb": _peak_rss_mb(),
+        "driver_peak_shmem_mb": None,
+        "model_mb": sum(t.numel() * t.element_size() for t in module.state_dict().values()) / 2**20,
+        "params": sum(p.numel() for p in module.parameters()),
+        "driver_global_step": None,
+        "restarts": 0,
+        "checkpoint_reported": result.checkpoint is not None,
+    }
+
+
+def _blocked(ranks: dict[int, dict[str, Any]]) -> list[float]:
+    """Per epoch-end checkpoint, the longest any rank's training thread was held (the others wait for it at the
+    next collective)."""
+    by_step: dict[int, float] = {}
+    for record in ranks.values():
+        for c in record["checkpoints"]:
+            by_step[c["global_step"]] = max(by_step.get(c["global_step"], 0.0), c["blocked_s"])
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _cost_metrics(
+    spec: StorageSpec, case: Case, clock: dict[str, Any], ranks: dict[int, dict], extra: dict[str, Any]
+) -> dict[str, Any]:
+    """The step (median and mean over every epoch after the first, epoch ends included) and each checkpoint's
+    blocked time, alone and as a share of an epoch of steps (checkpoints at epoch ends)."""
+    sizes, epochs = spec.shape(case.part)
+    ends = clock["batch_ends"]
+    per_epoch = sizes.steps
+    if len(ends) != per_epoch * epochs:
+        raise RuntimeError(f"rank 0 ran {len(ends)} steps, not {per_epoch * epochs}")
+    base = _fit_metrics(sizes, clock["t0"], clock["t1"], clock)
+    first, last = per_epoch - 1, per_epoch * epochs - 1
+    blocked = _blocked(ranks)
+    if case.checkpoints and len(blocked) != epochs:
+        raise RuntimeError(f"{len(blocked)} epoch-end checkpoints timed, not {epochs} (wrapped: "
+                           f"{ {r: x['wrapped'] for r, x in ranks.items()} })")  # fmt: skip
+    # The steady state: the first checkpoint also makes what later ones reuse (the uploads' process group, the
+    # S3 client), reported apart.
+    steady = blocked[1:] or blocked
+    per_checkpoint = statistics.median(steady) if steady else None
+    waited = [r["uploads_blocked_s"] for r in ranks.values() if r["uploads_blocked_s"] is not None]
+    return {
+        # What a checkpoint holds: the weights and Adam's two moments (float32).
+        "state_mb": 3 * extra["model_mb"],
+        "step_ms": base["step_s"] * 1000,
+        "mean_step_ms": (ends[last] - ends[first]) / (last - first) * 1000,
+        "blocked_s": per_checkpoint,
+        "first_blocked_s": blocked[0] if blocked else None,
+        # A checkpoint at every epoch end: its blocked time against the epoch's steps.
+        "blocked_share_pct": None if per_checkpoint is None else per_checkpoint / (per_epoch * base["step_s"]) * 100,
+        # Where the ranks upload in the background: the longest any rank waited for its previous upload, per checkpoint.
+        "upload_wait_s": max(waited) / len(blocked) if waited and blocked and not case.sync else None,
+        "checkpoints": len(blocked),
+        "fit_s": base["wall_s"],
+    }
+
+
+def _memory_metrics(extra: dict[str, Any], ranks: dict[int, dict]) -> dict[str, Any]:
+    rank0, rank1 = (ranks[r]["peak_rss_mb"] if r in ranks else None for r in (0, 1))
+    return {
+        "driver_peak_rss_mb": extra["driver_peak_rss_mb"],
+        "driver_peak_shmem_mb": extra["driver_peak_shmem_mb"],
+        "rank0_peak_rss_mb": rank0,
+        "rank1_peak_rss_mb": rank1,
+        "rank0_over_rank1": rank0 / rank1 if rank0 and rank1 else None,
+        "model_mb": extra["model_mb"],
+        "fit_s": extra["t1"] - extra["t0"],
+    }
+
+
+def _resume_metrics(extra: dict[str, Any], clock: dict[str, Any], ranks: dict[int, dict]) -> dict[str, Any]:
+    return {
+        "fit_first_step_s": clock["first_optimizer_step"] - extra["t0"],
+        # Where that goes: fit() called → rank 0's on_fit_start (workers up), → its first batch (the checkpoint
+        # restored: Lightning restores the optimizers and loops after on_fit_start).
+        "launch_s": clock["fit_start"] - extra["t0"],
+        "setup_s": clock["first_batch_start"] - clock["fit_start"],
+        "fit_s": extra["t1"] - extra["t0"],
+        "resumed_step": ranks[0]["start_step"] if 0 in ranks else None,
+        # Absolute times: the harness subtracts the driver process's start (and the kill) from them.
+        "first_step_at": clock["first_optimizer_step"],
+        "fit_return_at": extra["t1"],
+    }
+
+
+def measure(case: Case, spec: StorageSpec, result_path: str, record: bool = True) -> dict[str, Any]:
+    """Connect to the harness's cluster, run the case's fit, return its metrics (``record``: unused here)."""
+    import ray
+
+    ray.init(address=spec.ray_address, log_to_driver=True)
+    prefix = result_path
+    sizes, epochs = spec.shape(case.part)
+    fit = _ray_train_fit if case.ray_train else _ray_lightning_fit
+    extra = fit(spec, case, prefix, sizes, epochs)
+    clock = {**read_clock(prefix + ".clock"), "t0": extra["t0"], "t1": extra["t1"]}
+    ranks = read_ranks(prefix)
+    if set(ranks) != set(range(spec.workers)):
+        raise RuntimeError(f"probe files from ranks {sorted(ranks)}, not from all {spec.workers}")
+    if case.part == "memory":
+        metrics = _memory_metrics(extra, ranks)
+    elif case.part == "cost":
+        metrics = _cost_metrics(spec, case, clock, ranks, extra)
+    else:
+        metrics = _resume_metrics(extra, clock, ranks)
+    metrics["final_global_step"] = ranks[0]["final_step"]
+    state = {k: v for k, v in extra.items() if k not in ("t0", "t1")}
+    return {
+        "contender": case.name,
+        "pid": os.getpid(),
+        "metrics": metrics,
+        "driver": state,
+        "ranks": {str(r): x for r, x in sorted(ranks.items())},
+        "clock_first_step": clock["first_optimizer_step"],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    measurement_main(argv, __doc__, DRIVER_CASES, StorageSpec, measure)
+
+
+if __name__ == "__main__":
+    main()
