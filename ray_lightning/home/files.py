@@ -97,6 +97,15 @@ def place_in(trainer: pl.Trainer, storage: str, under: Callable[..., str]) -> No
     _map_paths(trainer, lambda p: moved(p) if os.path.isabs(p) else p)
 
 
+def path_forms(path: Any) -> tuple[str, ...]:
+    """The forms a checkpoint path given by the user may take in a worker's comparison: as given, and absolute
+    when local (nothing for a ``ckpt_path`` that is no path)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return ()
+    path = os.fspath(path)
+    return (path, os.path.abspath(path)) if _lightning.is_local_file_protocol(path) else (path,)
+
+
 def staging_dir(name: str) -> str:
     """The staging directory called ``name`` on this node."""
     return os.path.join(tempfile.gettempdir(), name)

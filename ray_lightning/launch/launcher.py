@@ -145,7 +145,7 @@ class RayLauncher(*_lightning.launcher_bases()):
             recovery=Recovery(self._strategy.workers.recovery, scope, self._strategy.restarts, run),
             scope=scope,
             run=run,
-            keep_checkpoints=_kept(given),
+            keep_checkpoints=files.path_forms(given),
         )
         if run is not None:
             self._announce_run(call, trainer, given)
@@ -368,14 +368,6 @@ _RUNS_FITTED: set[str] = set()
 
 def _ranks_stage(strategy: Any, call: _Call) -> bool:
     return bool(getattr(strategy, "every_rank_writes", False)) and call.run is None
-
-
-def _kept(given: Any) -> tuple[str, ...]:
-    """The forms of the ``ckpt_path`` given that a worker may compare a checkpoint's path with."""
-    if not isinstance(given, (str, os.PathLike)):
-        return ()
-    given = os.fspath(given)
-    return (given, os.path.abspath(given)) if _lightning.is_local_file_protocol(given) else (given,)
 
 
 def _staging_area(nodes: Mapping[int, NodeInfo]) -> files.StagingArea | None:

@@ -35,6 +35,7 @@ from ray_lightning.config.timeouts import DEFAULT_PROGRESS_TIMEOUT_S
 from ray_lightning.config.workers import WorkerSpec
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.home.background_io import BackgroundCheckpointIO
+from ray_lightning.home.files import path_forms
 from ray_lightning.launch.launcher import RayLauncher
 from ray_lightning.launch.network import interface_for, listener_environment
 from ray_lightning.launch.rendezvous import Rendezvous, TorchStoreRendezvous
@@ -328,7 +329,11 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self._worker is None and "optimizer_states" in checkpoint:
+        if self._worker is not None:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        # On the driver, after a fit.
+        if "optimizer_states" in checkpoint:
             raise RuntimeError(
                 f"trainer.save_checkpoint({os.fspath(filepath)!r}) on the driver would write a checkpoint without the "
                 "optimizers' and schedulers' states: they live in the Ray workers, so a fit resumed from it would "
@@ -337,24 +342,21 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
                 "ModelCheckpoint(save_last=True) and "
                 "trainer.checkpoint_callback.last_model_path."
             )
-        if self._worker is None:
-            if getattr(self, "_send_full_weights", True) is False:
-                raise RuntimeError(
-                    f"trainer.save_checkpoint({os.fspath(filepath)!r}) on the driver: the trained weights stayed in "
-                    "the workers' checkpoints (full_weights_home), so this process holds the untrained ones. Use "
-                    "the checkpoints ModelCheckpoint wrote, or pass full_weights_home=True."
-                )
-            # The driver's module, whole: one file (a sharded strategy's own saving is collective, for its workers).
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options)
-            return
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if getattr(self, "_send_full_weights", True) is False:
+            raise RuntimeError(
+                f"trainer.save_checkpoint({os.fspath(filepath)!r}) on the driver: the trained weights stayed in "
+                "the workers' checkpoints (full_weights_home), so this process holds the untrained ones. Use "
+                "the checkpoints ModelCheckpoint wrote, or pass full_weights_home=True."
+            )
+        # The driver's module, whole: one file (a sharded strategy's own saving is collective, for its workers).
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         # Nothing removes the checkpoint the fit resumed from (ModelCheckpoint's rotation would: Lightning#21813).
         kept = {*(self._worker.keep_checkpoints if self._worker is not None else ()), *self._resumed_from()}
         path = os.fspath(filepath)
-        if path in kept or (_lightning.is_local_file_protocol(path) and os.path.abspath(path) in kept):
+        if kept.intersection(path_forms(path)):
             self.namespace.pl("utilities.rank_zero.rank_zero_info")(
                 f"ray_lightning: kept {path}: the fit resumed from it, so no checkpoint rotation removes it."
             )
@@ -363,13 +365,9 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
 
     def _resumed_from(self) -> tuple[str, ...]:
         try:
-            given = self.lightning_module.trainer.ckpt_path
+            return path_forms(self.lightning_module.trainer.ckpt_path)
         except (AttributeError, RuntimeError):  # no module, or not attached to a Trainer
             return ()
-        if not isinstance(given, (str, os.PathLike)):
-            return ()
-        given = os.fspath(given)
-        return (given, os.path.abspath(given)) if _lightning.is_local_file_protocol(given) else (given,)
 
     @override
     def make_launcher(self) -> RayLauncher:
