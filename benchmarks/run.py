@@ -128,7 +128,9 @@ def ray_cluster(num_cpus: int, temp_dir: str, env: dict[str, str], num_gpus: int
     # The raylet and the workers it starts inherit this process's environment.
     os.environ.update(env, RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=address)
     try:
-        context = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=True,
+        # include_dashboard=None: the dashboard (the state API behind it) where its packages are installed;
+        # a trimmed Ray (the GPU pack) has none and still runs every contender but Ray Train's cleaner.
+        context = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=None,
                            _temp_dir=temp_dir, log_to_driver=False)  # fmt: skip
         try:
             if context.address_info["gcs_address"] != address:

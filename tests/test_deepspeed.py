@@ -5,6 +5,7 @@ DeepSpeed trains on CPUs with its CPU accelerator; its GPU run (NCCL) is in test
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -81,6 +82,18 @@ def test_a_checkpoint_resumes_training_and_the_model_tests(zero_fit):
     (result,) = resumed.test(model, verbose=False)
     assert result["test_loss"] > 0
     assert resumed.strategy.keep_workers_alive_s == 0  # every call starts new workers (DeepSpeed's globals)
+
+
+@pytest.mark.parametrize("zero_fit", [3], indirect=True)
+def test_a_stage_3_checkpoint_tests_on_new_workers_with_the_weights_it_holds(zero_fit):
+    # trainer.test(ckpt_path=...) loads into DeepSpeed's inference engine, whose stand-in optimizer
+    # lacks what DeepSpeed then calls (DeepSpeed#7272); the loss is that of the weights that came home.
+    fitted, _, checkpoint, _ = zero_fit
+    cpu = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    (expected,) = cpu.test(copy.deepcopy(fitted), verbose=False)
+    tester = _trainer(RayDeepSpeedStrategy(num_workers=2, stage=3), logger=False)
+    (result,) = tester.test(MLP(), ckpt_path=checkpoint.best_model_path, verbose=False)
+    assert result["test_loss"] == pytest.approx(expected["test_loss"], rel=1e-4)
 
 
 def test_a_lightning_trainer_and_the_accelerator_form():

@@ -9,6 +9,8 @@ index, backend) is also tested without a GPU in test_environment.py.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -236,5 +238,6 @@ def test_sharded_strategies_train_on_cuda_and_bring_the_full_weights_home(name, 
     assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in weights.values()), name
     torch.testing.assert_close(weights, gpu_ddp_weights, rtol=1e-4, atol=1e-5)
     # The checkpoint (a file, or a directory of every rank's parts) is on this machine and tests on new workers.
+    (expected,) = pl.Trainer(accelerator="cpu", devices=1, logger=False).test(copy.deepcopy(model), verbose=False)
     (result,) = pl.Trainer(strategy=make(), logger=False).test(MLP(), ckpt_path=checkpoint.best_model_path)
-    assert result["test_loss"] > 0
+    assert result["test_loss"] == pytest.approx(expected["test_loss"], rel=1e-3), name

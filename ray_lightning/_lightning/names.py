@@ -210,6 +210,8 @@ def _private_names(ns: Namespace) -> Iterator[PrivateName]:
     model_parallel = f"{pl_}.strategies.ModelParallelStrategy"
     for name in (sharded.MESH, sharded.SAVE_DISTRIBUTED):
         yield PrivateName(model_parallel, name, lambda: ns.pl("strategies.ModelParallelStrategy")())
+    for path in sharded.EVALUATION_LOOPS:
+        yield PrivateName(f"{pl_}.Trainer", f"{path}.{sharded.INFERENCE_MODE}", trainer)
     yield PrivateName(f"{pl_}.LightningModule", sharded.MESH, lambda: ns.pl("LightningModule")())
     fsdp = f"{pl_}.strategies.FSDPStrategy"
     yield PrivateName(fsdp, sharded.STATE_DICT_TYPE, lambda: ns.pl("strategies.FSDPStrategy")())

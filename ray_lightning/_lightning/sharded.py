@@ -16,6 +16,11 @@ No public API does these jobs:
   loading, it is replaced by one that also handles that (Lightning 2.4-2.6 all have the bug).
 * fabric's ``_materialize_distributed_module`` and ``_optimizers_to_device``: the steps of
   ``ModelParallelStrategy.setup`` after sharding, which ``RayFSDPStrategy`` runs after it shards.
+* The evaluation loops' ``inference_mode`` (``_EvaluationLoop``, ``_PredictionLoop``): FSDP2's
+  unsharded parameters made under ``torch.inference_mode`` fail its next forward ("Inference tensors
+  do not track version counter", torch 2.11 on CUDA). Lightning evaluates FSDP1 under ``no_grad`` for
+  the same reason (pytorch/pytorch#95957) but not ``ModelParallelStrategy``; a sharded Ray strategy's
+  loops use ``no_grad`` too. On CPU (gloo) Lightning already uses ``no_grad``.
 
 Every one is in :data:`ray_lightning._lightning.PRIVATE_NAMES`.
 """
@@ -40,6 +45,8 @@ REKEY = "strategies.model_parallel._rekey_optimizer_state_if_needed"  # fabric's
 METADATA_FILENAME = "utilities.load._METADATA_FILENAME"  # fabric's
 MATERIALIZE = "utilities.init._materialize_distributed_module"  # fabric's
 OPTIMIZERS_TO_DEVICE = "utilities.optimizer._optimizers_to_device"  # fabric's
+INFERENCE_MODE = "inference_mode"  # of the Trainer's evaluation and prediction loops
+EVALUATION_LOOPS = ("fit_loop.epoch_loop.val_loop", "validate_loop", "test_loop", "predict_loop")
 
 
 def set_device_mesh(strategy: Any, mesh: Any) -> None:
@@ -73,6 +80,13 @@ def _switched(strategy: Any, name: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(strategy, name, saved)
+
+
+def evaluate_under_no_grad(trainer: Any) -> None:
+    """The trainer's validation, test and predict loops run under ``torch.no_grad``, not ``inference_mode``."""
+    for path in EVALUATION_LOOPS:
+        loop = functools.reduce(getattr, path.split("."), trainer)
+        setattr(loop, INFERENCE_MODE, False)
 
 
 def metadata_filename(ns: Namespace) -> str:

@@ -60,6 +60,10 @@ INSTALL_HINT = (
 )
 
 
+# DeepSpeed's private name for the step after loading a ZeRO checkpoint (see load_checkpoint).
+_RESTORE_FROM_BIT16 = "_restore_from_bit16_weights"
+
+
 def check_deepspeed_installed() -> None:
     """Refuse, before anything starts, a DeepSpeed strategy where DeepSpeed is missing."""
     if importlib.util.find_spec("deepspeed") is None:
@@ -167,6 +171,18 @@ class RayDeepSpeedStrategy(RayWorkersMixin, RankPartsMixin):
         # DeepSpeed adopts the process group that exists (it would otherwise meet at MASTER_ADDR itself).
         deepspeed.init_distributed(self.worker_process_group_backend(), timeout=self.ddp_timeout)
         runtime.mark_progress("setup", "prepare_data, setup hooks, deepspeed.initialize")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # Under ZeRO-3, test/validate/predict(ckpt_path=...) load into DeepSpeed's inference engine, whose
+        # stand-in optimizer (DeepSpeedZeRoOffload) lacks the `_restore_from_bit16_weights` DeepSpeed then
+        # calls (DeepSpeed#7272, open; Lightning's own strategy fails the same). It has no fp32 copy to
+        # refresh: DeepSpeed already loaded the full fp32 weights into the module, so nothing is left to do.
+        engine = self.deepspeed_engine
+        optimizer = getattr(engine, "optimizer", None)
+        if optimizer is not None and not hasattr(optimizer, _RESTORE_FROM_BIT16):
+            setattr(optimizer, _RESTORE_FROM_BIT16, lambda: None)
+        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
 
     def weights_for_driver(self) -> dict[str, Any] | None:
         """In every rank (collective under ZeRO stage 3): the full state dict on rank 0, None elsewhere."""

@@ -201,6 +201,7 @@ class RayFSDPStrategy(RayWorkersMixin, ShardedWorkersMixin):
     def setup(self, trainer: pl.Trainer) -> None:
         # ModelParallelStrategy.setup without its demand for configure_model: this strategy shards.
         assert self.model is not None and self.accelerator is not None
+        _lightning.sharded.evaluate_under_no_grad(trainer)
         self.accelerator.setup(trainer)
         self.shard(self.model)
         ns = self.namespace

@@ -180,6 +180,11 @@ class ShardedWorkersMixin(FullCheckpointsMixin):
     """Checkpoints, loading and the weights home of a strategy whose ranks hold DTensor shards (FSDP2, TP)."""
 
     @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        _lightning.sharded.evaluate_under_no_grad(trainer)
+        super().setup(trainer)  # type: ignore[misc]
+
+    @override
     def weights_for_driver(self) -> list[WeightPart] | None:
         """In every rank: the shards this rank sends the driver, which puts them in place (no all-gather).
 
