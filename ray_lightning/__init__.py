@@ -14,7 +14,8 @@ Example::
 
 The package's layers, lowest first (each imports only those below it; ``tests/test_layers.py``):
 ``namespaces``, ``errors``, ``config``, ``environment``, ``runtime``, ``_torch``, ``_ray``, ``_lightning``,
-``channel``, ``home``, ``launch``, ``strategies``, ``horovod``, ``tune``.
+``channel``, ``home``, ``data``, ``launch``, ``strategies``, ``horovod``, ``tune``. Ray Data comes in through
+:class:`ray_lightning.data.RayDataModule`.
 
 Where to look: a worker is started in :mod:`ray_lightning.launch.worker_group`; ranks come from
 :mod:`ray_lightning.environment`; a restart is decided in :mod:`ray_lightning.launch.failures`; results

@@ -30,6 +30,7 @@ LAYERS = [
     "_lightning",
     "channel",
     "home",
+    "data",
     "launch",
     "strategies",
     "horovod",

@@ -31,6 +31,7 @@ from ray_lightning._lightning.connector import (
 )
 from ray_lightning._lightning.names import (
     PRIVATE_NAMES,
+    batches_processed,
     directory_holders,
     dump_checkpoint,
     fit_progress_state,
@@ -53,6 +54,7 @@ __all__ = [
     "directory_holders",
     "dump_checkpoint",
     "ensure_installed",
+    "batches_processed",
     "fit_progress_state",
     "init_dist_connection",
     "is_last_batch",

@@ -153,6 +153,11 @@ def fit_progress_state(trainer: pl.Trainer) -> dict[str, Any]:
     return state
 
 
+def batches_processed(trainer: pl.Trainer) -> int:
+    """Training batches of the current epoch whose step ran (the one in ``on_train_batch_end`` included)."""
+    return int(_progress(trainer, "epoch_loop.batch_progress").current.processed)
+
+
 def load_fit_progress(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     for key, path in FIT_PROGRESS:
         _progress(trainer, path).load_state_dict(state[key])

@@ -17,6 +17,8 @@ breaks one folder, and ``tests/test_ray_internals.py`` names what moved:
   draining nodes (preemption), autoscaler v2's node groups and status, with named node statuses
   instead of the enum's numbers, and where the autoscaler's monitor scripts are in Ray's package
   (:mod:`ray_lightning.launch.autoscaler`).
+* :mod:`.data`: a Ray Data dataset's row count from its metadata (``Dataset._meta_count``): the
+  length of ``RayDataModule``'s loaders (:mod:`ray_lightning.data`).
 
 Where a private name is missing, each caller degrades as it always did: no output markers, no
 preemption notice, an autoscaler that is unknown. :data:`PRIVATE_NAMES` lists all of them (with
@@ -24,7 +26,7 @@ preemption notice, an autoscaler that is unknown. :data:`PRIVATE_NAMES` lists al
 either); a test checks each still exists.
 """
 
-from ray_lightning._ray import kv, logs, state
+from ray_lightning._ray import data, kv, logs, state
 from ray_lightning._ray.names import PRIVATE_NAMES
 
-__all__ = ["PRIVATE_NAMES", "kv", "logs", "state"]
+__all__ = ["PRIVATE_NAMES", "data", "kv", "logs", "state"]

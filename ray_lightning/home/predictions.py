@@ -37,7 +37,18 @@ class PredictionRecorder(*namespaces.every("callbacks.BasePredictionWriter")):
     ) -> None:
         if not trainer.predict_loop.return_predictions:
             return
-        self.records.append((dataloader_idx, list(batch_indices or []), namespaces.to_cpu(prediction)))
+        indices = list(batch_indices or []) or _loader_positions(trainer, dataloader_idx, batch_idx)
+        self.records.append((dataloader_idx, indices, namespaces.to_cpu(prediction)))
+
+
+def _loader_positions(trainer: pl.Trainer, dataloader_idx: int, batch_idx: int) -> list[int]:
+    """A batch's dataset positions from a loader that records them (``RayDataModule``'s: no sampler to ask)."""
+    loaders = trainer.predict_dataloaders
+    loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+    positions = getattr(loaders[dataloader_idx], "positions", None) if dataloader_idx < len(loaders) else None
+    if not positions or batch_idx >= len(positions):
+        return []
+    return list(positions[batch_idx])
 
 
 def merge_predictions(per_rank: list[list[tuple[int, list[int], Any]]], num_dataloaders: int) -> Any:

@@ -53,6 +53,7 @@ from ray_lightning.launch.payload import (
     checkpoint_argument,
     checkpoint_files,
     given_checkpoint,
+    prepare_arguments,
     put_payload,
 )
 from ray_lightning.launch.placement import OwnPlacement, TrialPlacement
@@ -131,6 +132,14 @@ class RayLauncher(*_lightning.launcher_bases()):
             self._strategy.check_trainer(trainer)
         ensure_ray_initialized()
         check_checkpoint_exists(function, args, kwargs)
+        ends = prepare_arguments(trainer, args, kwargs, self._strategy.num_workers)
+        try:
+            return self._launch(function, args, kwargs, trainer)
+        finally:
+            for end in ends:
+                end()
+
+    def _launch(self, function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer | None) -> Any:
         # With storage_path: the run's folder, checked writable; the Trainer's directories are placed in it.
         run = storage.open_run(trainer, self._strategy.workers.storage, self._strategy.run_name_now)
         if trainer is not None:

@@ -96,6 +96,19 @@ def checkpoint_argument(function: Callable, args: tuple, kwargs: dict, trainer: 
     return None  # None, a remote URL, "best" without a file...: resolved by Lightning in the workers
 
 
+def prepare_arguments(trainer: pl.Trainer | None, args: tuple, kwargs: dict, world_size: int) -> list[Callable]:
+    """On the driver, before the payload is made: every argument that prepares for the workers (a
+    ``RayDataModule`` checks its datasets and starts their dealers) does so; returns what ends each."""
+    ends = []
+    if trainer is None:
+        return ends
+    for value in (*args, *kwargs.values()):
+        prepare = getattr(value, "ray_lightning_prepare", None)
+        if callable(prepare):
+            ends.append(prepare(trainer, world_size))
+    return ends
+
+
 def put_payload(trainer: pl.Trainer | None, function: Callable, args: tuple, kwargs: dict) -> ray.ObjectRef:
     """Serialize the Trainer, module and arguments once; every worker reads the same object.
 
