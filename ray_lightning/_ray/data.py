@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 DATASET = "ray.data.dataset"
-META_COUNT = "Dataset._meta_count"
+META_COUNT = "_meta_count"  # a method of ray.data.Dataset
 
 
 def known_row_count(dataset: Any) -> int | None:
     """The dataset's row count if known without reading it, else None."""
-    count = getattr(dataset, META_COUNT.split(".")[1], None)
+    count = getattr(dataset, META_COUNT, None)
     try:
         return count() if callable(count) else None
     except Exception:  # noqa: BLE001 - a count the metadata cannot give is an unknown one

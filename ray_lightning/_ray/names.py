@@ -34,7 +34,7 @@ ON_MODULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     (GLOBAL_STATE, ("state.get_draining_nodes", "state.get_cluster_config")),
     (INTERNAL_KV, ("_internal_kv_get", "_internal_kv_put", "_internal_kv_del")),
-    (DATASET, (META_COUNT,)),
+    (DATASET, (f"Dataset.{META_COUNT}",)),
     (AUTOSCALER_PB2, ("GetClusterStatusReply", *(f"NodeStatus.{status}" for status in UP_NODE_STATUSES))),
     # Where Ray names the keys kv.py uses (their values are checked too).
     *((module, (name,)) for module, name in sorted(set(RAY_KEY_NAMES.values()))),

@@ -19,6 +19,7 @@ RECOVERY_EVERY_N_STEPS_ENV = "RAY_LIGHTNING_RECOVERY_CHECKPOINT_EVERY_N_STEPS"
 STORAGE_PATH_ENV = "RAY_LIGHTNING_STORAGE_PATH"
 RUN_NAME_ENV = "RAY_LIGHTNING_RUN_NAME"
 UPLOAD_TIMEOUT_ENV = "RAY_LIGHTNING_UPLOAD_TIMEOUT_S"
+DATA_TIMEOUT_ENV = "RAY_LIGHTNING_DATA_TIMEOUT_S"
 # Variables of the driver that are not forwarded to the workers (launch.contexts forwards the others it
 # names): they belong to the driver's process, such as the socket of its W&B service.
 NOT_FORWARDED_ENV = ("WANDB_SERVICE",)

@@ -163,16 +163,19 @@ class Dealer:
     def __init__(self, dataset: Any, spec: PassSpec) -> None:
         from ray.data import DataContext
 
-        DataContext.get_current().execution_options.preserve_order = True
+        context = DataContext.get_current()
+        context.execution_options.preserve_order = True
+        # A pass per epoch: Ray Data's progress bars would print from this actor on the driver each time.
+        context.enable_progress_bars = False
         self._dataset = dataset
         self._spec = spec
         self._passes: dict[tuple[str, int], _Pass] = {}
-        self._lock = threading.Lock()
+        self._guard = threading.Lock()
 
     def batch(self, attempt: str, index: int, start: tuple[int, int | None, int], g: int) -> list[Any] | None:
         """Global batch ``g`` of pass ``index`` of ``attempt``, or None past the pass's end. ``start``: the pass's
         ``(world_size, seed, skip_rows)``, taken from its first caller (every rank sends the same)."""
-        with self._lock:
+        with self._guard:
             key = (attempt, index)
             current = self._passes.get(key)
             if current is None:
@@ -184,6 +187,6 @@ class Dealer:
 
     def rows_read(self, attempt: str, index: int) -> int:
         """Rows the pass has read so far (skipped ones included): 0 for a pass not started."""
-        with self._lock:
+        with self._guard:
             found = self._passes.get((attempt, index))
             return found.rows if found else 0

@@ -39,8 +39,18 @@ class RayDataLoader:
     returns ``(seed, skip_rows)``: the pass's shuffle seed and the rows a resumed epoch already trained.
     """
 
-    def __init__(self, dealer: Any, spec: PassSpec, rank: int, world_size: int, attempt: str, length: int | None,
-                 start: Callable[[], tuple[int | None, int]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dealer: Any,
+        spec: PassSpec,
+        rank: int,
+        world_size: int,
+        attempt: str,
+        length: int | None,
+        start: Callable[[], tuple[int | None, int]],
+        name: str = "train",
+        timeout_s: float = 600.0,
+    ) -> None:
         self.dealer = dealer
         self.spec = spec
         self.rank = rank
@@ -48,8 +58,23 @@ class RayDataLoader:
         self.attempt = attempt
         self.length = length
         self._start = start
+        self.name = name
+        self.timeout_s = timeout_s
         self._passes = 0
         self.positions: list[range] = []  # the dataset positions of each batch of the current pass
+
+    def _wait(self, request: Any) -> Any:
+        import ray
+
+        try:
+            return ray.get(request, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"RayDataModule: rank {self.rank} waited {self.timeout_s:g} s for its next {self.name} batch "
+                "(RayDataModule(batch_timeout_s=...), RAY_LIGHTNING_DATA_TIMEOUT_S). Ray Data's tasks (reads, "
+                "map_batches) need CPUs the training workers do not hold: check that the cluster has free CPUs "
+                "(ray status) and that the dataset's reads and functions finish."
+            ) from None
 
     def __len__(self) -> int:
         if self.length is None:
@@ -74,7 +99,7 @@ class RayDataLoader:
         for step in range(PREFETCH):
             ask(step)
         while pending:
-            found = ray.get(pending.popleft())
+            found = self._wait(pending.popleft())
             if found is None:
                 return
             ask(k + PREFETCH)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import override
+
 from ray_lightning import _lightning, _ray, namespaces, runtime
+from ray_lightning.config.variables import DATA_TIMEOUT_ENV, seconds
 from ray_lightning.data.dealer import MASK, Dealer, PassSpec, epoch_seed
 from ray_lightning.data.loader import RayDataLoader
 
@@ -21,6 +25,7 @@ LAST_BATCH = ("drop", "pad")
 # The local shuffle's default buffer: a constant, since an epoch's order must not change with the number of
 # workers or the batch size (a resume on another world size continues in the same order).
 SHUFFLE_BUFFER_ROWS = 2048
+DEFAULT_BATCH_TIMEOUT_S = 600.0
 
 
 class RayDataModule(*namespaces.every("LightningDataModule")):  # type: ignore[misc]
@@ -50,6 +55,8 @@ class RayDataModule(*namespaces.every("LightningDataModule")):  # type: ignore[m
             for the loss to weigh).
         seed: the run's seed (default: ``PL_GLOBAL_SEED``, which ``seed_everything`` sets, else 0).
         columns: the columns to read (default: all); a column the dataset lacks is an error before training.
+        batch_timeout_s: the longest a rank waits for its next batch before it fails saying so (default
+            ``RAY_LIGHTNING_DATA_TIMEOUT_S``, else 600).
 
     Example::
 
@@ -72,8 +79,10 @@ class RayDataModule(*namespaces.every("LightningDataModule")):  # type: ignore[m
         last_batch: str = "drop",
         seed: int | None = None,
         columns: list[str] | None = None,
+        batch_timeout_s: float | None = None,
     ) -> None:
         super().__init__()
+        self.batch_timeout_s = seconds("batch_timeout_s", batch_timeout_s, DATA_TIMEOUT_ENV, DEFAULT_BATCH_TIMEOUT_S)
         datasets = dict(zip(NAMES, (train, val, test, predict)))
         _check_arguments(datasets, batch_size, eval_batch_size, shuffle, shuffle_buffer, last_batch, seed, columns)
         self.datasets = {name: ds for name, ds in datasets.items() if ds is not None}
@@ -89,27 +98,32 @@ class RayDataModule(*namespaces.every("LightningDataModule")):  # type: ignore[m
         self._resume: dict[str, Any] | None = None  # the training position a checkpoint held
         self._pass_start: tuple[int, int, int] | None = None  # (epoch, rows skipped, batches done before)
         self._loaders: dict[str, RayDataLoader] = {}
+        self._said_unknown: set[str] = set()
 
     # -- on the driver, before the workers start (the launcher calls it) ----------------------------------------
 
-    def ray_lightning_prepare(self, trainer: pl.Trainer, world_size: int) -> Callable[[], None]:
-        """Check the datasets for this call and start a dealer for each; returns what ends them."""
+    def ray_lightning_prepare(self, trainer: pl.Trainer, resources: Any) -> Callable[[], None]:
+        """Check the datasets for this call and start a dealer for each; returns what ends them. ``resources``:
+        the workers' (``ray_lightning.config.resources.WorkerResources``)."""
         import ray
 
-        names = [n for n in STAGES.get(str(trainer.state.fn.value), ()) if n in self.datasets]
-        if trainer.state.fn == namespaces.FITTING and "train" not in self.datasets:
-            raise ValueError("RayDataModule: trainer.fit needs a train dataset: RayDataModule(train=...)")
+        world_size = resources.num_workers
+        _warn_if_no_cpu_is_left(resources, ray.cluster_resources().get("CPU", 0))
+        fn = str(trainer.state.fn.value)
+        needed = STAGES.get(fn, ())[0]
+        if needed not in self.datasets:
+            raise ValueError(f"RayDataModule: trainer.{fn} needs a {needed} dataset: RayDataModule({needed}=...)")
+        names = [n for n in STAGES[fn] if n in self.datasets]
         if self.seed is None:
             self.seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         dealers = {}
         for name in names:
             dataset = self._checked(name, self.datasets[name], world_size)
-            spec = self._spec(name)
             # Outside the workers' placement group: the dataset's tasks must not wait for the workers' CPUs.
-            actor = ray.remote(Dealer).options(
+            dealer = ray.remote(Dealer).options(
                 num_cpus=0, max_concurrency=world_size + 2, scheduling_strategy="DEFAULT"
             )
-            dealers[name] = actor.remote(dataset, spec)
+            dealers[name] = dealer.remote(dataset, self._spec(name, world_size))
         self._dealers = dealers
 
         def end() -> None:
@@ -121,6 +135,15 @@ class RayDataModule(*namespaces.every("LightningDataModule")):  # type: ignore[m
 
     def _checked(self, name: str, dataset: Any, world_size: int) -> Any:
         rows = self._rows[name] = _ray.data.known_row_count(dataset)
+        if rows is None and name not in self._said_unknown:
+            self._said_unknown.add(name)
+            warnings.warn(
+                f"RayDataModule: the {name} dataset's row count is unknown until it is read (map_batches or "
+                "filter can change it), so its loaders have no length: progress bars show no total and "
+                "val_check_interval must be an int. A dataset whose metadata holds its count (read_parquet, "
+                "from_numpy, or .materialize()) has one.",
+                stacklevel=4,
+            )
         if rows == 0:
             raise ValueError(f"RayDataModule: the {name} dataset has no rows")
         size = self.batch_size if name == "train" else self.eval_batch_size
@@ -152,6 +175,7 @@ class RayDataModule(*namespaces.every("LightningDataModule")):  # type: ignore[m
 
     # -- on every rank --------------------------------------------------------------------------------------------
 
+    @override
     def setup(self, stage: str) -> None:
         if self._dealers is None:
             strategy = type(self.trainer.strategy).__name__ if self.trainer is not None else "none"
@@ -160,34 +184,36 @@ class RayDataModule(*namespaces.every("LightningDataModule")):  # type: ignore[m
                 f"RayFSDPStrategy, ...); this Trainer's strategy is {strategy}. Pass strategy=RayStrategy(...)."
             )
 
-    def train_dataloader(self) -> RayDataLoader:
+    @override
+    def train_dataloader(self) -> RayDataLoader | list:
         return self._loader("train")
 
-    def val_dataloader(self) -> RayDataLoader:
+    @override
+    def val_dataloader(self) -> RayDataLoader | list:
         return self._loader("val")
 
-    def test_dataloader(self) -> RayDataLoader:
+    @override
+    def test_dataloader(self) -> RayDataLoader | list:
         return self._loader("test")
 
-    def predict_dataloader(self) -> RayDataLoader:
+    @override
+    def predict_dataloader(self) -> RayDataLoader | list:
         return self._loader("predict")
 
-    def _loader(self, name: str) -> RayDataLoader:
+    def _loader(self, name: str) -> RayDataLoader | list:
         assert self._dealers is not None and self.trainer is not None
         if name not in self._dealers:
-            raise ValueError(f"RayDataModule has no {name} dataset: RayDataModule({name}=...)")
+            return []  # Lightning's "no loader": no validation without a val dataset
         trainer = self.trainer
         world, rank = trainer.world_size, trainer.global_rank
         context = runtime.current_context()
         attempt = f"{context.main_address}:{context.main_port}" if context else "local"
-        spec = self._spec(name)
-        if spec.training and not spec.shuffle_buffer:
-            spec = PassSpec(
-                spec.batch_size, True, spec.last_batch, spec.shuffle, max(1000, 8 * world * spec.batch_size)
-            )
+        spec = self._spec(name, world)
         length = _batches_per_rank(self._rows.get(name), spec, world, rank)
         start = self._start_training_pass if spec.training else (lambda: (None, 0))
-        loader = RayDataLoader(self._dealers[name], spec, rank, world, attempt, length, start)
+        loader = RayDataLoader(
+            self._dealers[name], spec, rank, world, attempt, length, start, name, self.batch_timeout_s
+        )
         self._loaders[name] = loader
         return loader
 
@@ -202,6 +228,7 @@ class RayDataModule(*namespaces.every("LightningDataModule")):  # type: ignore[m
         seed = epoch_seed(int(self.seed or 0), epoch) if self.shuffle else None
         return seed, skip
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """The training position: the epoch and how many of its rows (in its one order) are trained."""
         trainer = self.trainer
@@ -217,6 +244,7 @@ class RayDataModule(*namespaces.every("LightningDataModule")):  # type: ignore[m
             rows = done * rows_per_batch
         return {"epoch": epoch, "rows": rows, "seed": self.seed}
 
+    @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
             return
@@ -228,6 +256,17 @@ class RayDataModule(*namespaces.every("LightningDataModule")):  # type: ignore[m
         state = self.__dict__.copy()
         state["_loaders"] = {}  # a rank's loaders stay in that rank
         return state
+
+
+def _warn_if_no_cpu_is_left(resources: Any, cluster_cpus: float) -> None:
+    held = resources.num_workers * resources.cpus
+    if cluster_cpus - held < 1:
+        warnings.warn(
+            f"RayDataModule: the {resources.num_workers} workers hold {held:g} of the cluster's {cluster_cpus:g} "
+            "CPUs, leaving none for Ray Data's tasks (reads, map_batches): training waits until a node with free "
+            "CPUs joins. Give the cluster more CPUs, or the workers fewer (num_cpus_per_worker).",
+            stacklevel=4,
+        )
 
 
 def _batches_per_rank(rows: int | None, spec: PassSpec, world: int, rank: int) -> int | None:

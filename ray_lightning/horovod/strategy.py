@@ -38,7 +38,7 @@ from ray_lightning.horovod.rendezvous import HorovodRendezvous
 from ray_lightning.launch.rendezvous import Rendezvous
 from ray_lightning.strategies import accelerator
 from ray_lightning.strategies.ddp import RayAccelerator
-from ray_lightning.strategies.workers import RayWorkersMixin, worker_arguments
+from ray_lightning.strategies.workers import RayWorkersMixin, float_for_mean, worker_arguments
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -229,7 +229,7 @@ class HorovodRayStrategy(RayWorkersMixin):
         hvd = self._hvd
         op = horovod_op(hvd, reduce_op)
         with torch.inference_mode(False):
-            return hvd.allreduce(writable(tensor), op=op)
+            return hvd.allreduce(writable(float_for_mean(tensor, reduce_op)), op=op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:

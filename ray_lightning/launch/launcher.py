@@ -132,7 +132,7 @@ class RayLauncher(*_lightning.launcher_bases()):
             self._strategy.check_trainer(trainer)
         ensure_ray_initialized()
         check_checkpoint_exists(function, args, kwargs)
-        ends = prepare_arguments(trainer, args, kwargs, self._strategy.num_workers)
+        ends = prepare_arguments(trainer, args, kwargs, self._strategy.resources)
         try:
             return self._launch(function, args, kwargs, trainer)
         finally:

@@ -96,7 +96,7 @@ def checkpoint_argument(function: Callable, args: tuple, kwargs: dict, trainer: 
     return None  # None, a remote URL, "best" without a file...: resolved by Lightning in the workers
 
 
-def prepare_arguments(trainer: pl.Trainer | None, args: tuple, kwargs: dict, world_size: int) -> list[Callable]:
+def prepare_arguments(trainer: pl.Trainer | None, args: tuple, kwargs: dict, resources: Any) -> list[Callable]:
     """On the driver, before the payload is made: every argument that prepares for the workers (a
     ``RayDataModule`` checks its datasets and starts their dealers) does so; returns what ends each."""
     ends = []
@@ -105,7 +105,7 @@ def prepare_arguments(trainer: pl.Trainer | None, args: tuple, kwargs: dict, wor
     for value in (*args, *kwargs.values()):
         prepare = getattr(value, "ray_lightning_prepare", None)
         if callable(prepare):
-            ends.append(prepare(trainer, world_size))
+            ends.append(prepare(trainer, resources))
     return ends
 
 

@@ -198,6 +198,21 @@ def _tune_trial_id() -> str | None:
         return None
 
 
+def float_for_mean(tensor: Any, reduce_op: Any) -> Any:
+    """``tensor`` as float64 where it is an integer tensor to average, else itself.
+
+    Lightning averages an integer tensor across ranks into an integer (truncated): the row count behind a
+    logged epoch mean is one, so a mean logged by ranks that saw different numbers of rows (a RayDataModule's
+    validation, whose last batch is short) came out wrong (465 over 31 rows as 15.5). As a float it is exact.
+    """
+    import torch
+
+    averaging = str(getattr(reduce_op, "name", reduce_op)).lower() in ("mean", "avg", "average")
+    if isinstance(tensor, torch.Tensor) and averaging and not (tensor.is_floating_point() or tensor.is_complex()):
+        return tensor.double()
+    return tensor
+
+
 class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
     """Workers on Ray actors for a Lightning ``ParallelStrategy`` subclass; see the module docstring."""
 
@@ -232,6 +247,10 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
         self.restarts: list[Any] = []
         self._worker: WorkerContext | None = None
         self._rendezvous_store: Any = None
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        return super().reduce(float_for_mean(tensor, reduce_op), group, reduce_op)  # type: ignore[misc]
 
     def warn(self, message: str) -> None:
         """Warn once, from rank 0, as Lightning does."""
