@@ -320,5 +320,5 @@ def test_the_ray_data_example_trains_and_reports_its_metrics(capsys):
 
     trainer = main(["--max-epochs", "1"])
     assert trainer.current_epoch == 1 and trainer.global_step == 1400 // 128
-    assert trainer.callback_metrics["val_acc"] > 0.5
+    assert trainer.callback_metrics["val_acc"] > 0.3  # chance: 0.1
     assert "val_acc = " in capsys.readouterr().out

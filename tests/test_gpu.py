@@ -241,3 +241,34 @@ def test_sharded_strategies_train_on_cuda_and_bring_the_full_weights_home(name, 
     (expected,) = pl.Trainer(accelerator="cpu", devices=1, logger=False).test(copy.deepcopy(model), verbose=False)
     (result,) = pl.Trainer(strategy=make(), logger=False).test(MLP(), ckpt_path=checkpoint.best_model_path)
     assert result["test_loss"] == pytest.approx(expected["test_loss"], rel=1e-3), name
+
+
+class RayDataProbe(pl.LightningModule):
+    """Logs where each RayDataModule batch arrived (its tensors on the worker's GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        self.log(
+            "batch_on_cuda", float(batch["x"].device.type == "cuda"), reduce_fx="min", on_epoch=True, on_step=False
+        )
+        self.log("rows", float(len(batch["id"])), reduce_fx="sum", on_epoch=True, on_step=False)
+        return self.layer(batch["x"]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_ray_data_batches_arrive_on_the_gpu_worker_s_device(tmp_path):
+    pytest.importorskip("pyarrow", reason="Ray Data needs pyarrow, which this Python lacks")
+    from ray_lightning.data import RayDataModule
+    from tests.test_data import dataset
+
+    trainer = pl.Trainer(
+        max_epochs=1, strategy=RayStrategy(num_workers=1, use_gpu=True), logger=False, enable_progress_bar=False
+    )
+    trainer.fit(RayDataProbe(), datamodule=RayDataModule(train=dataset(64, preprocess=True), batch_size=8))
+    assert trainer.callback_metrics["batch_on_cuda"] == 1.0
+    assert trainer.callback_metrics["rows"] == 64
