@@ -11,7 +11,8 @@
     python3 dev.py gpu       # on a machine with CUDA: every GPU test and the GPU benchmarks, one report
 
 Extra arguments go to the example script or to pytest (`python3 dev.py example --horovod`);
-`python3 dev.py example --tune` runs the Ray Tune example (examples/tune_digits.py) instead.
+`python3 dev.py example --tune` runs the Ray Tune example (examples/tune_digits.py) instead, and
+`python3 dev.py example --data` the Ray Data example (examples/ray_data_digits.py).
 
 Each creates `.venv/` in the checkout on first use, installs what it needs into it, and reuses it
 afterwards. torch is installed as the CPU build unless an NVIDIA GPU is visible (`nvidia-smi`).
@@ -59,7 +60,7 @@ HOROVOD_VERSION = "0.28.1"
 DEEPSPEED_VERSION = "0.19.8"
 WHEEL_CACHE = Path(os.environ.get("RAY_LIGHTNING_WHEEL_CACHE", Path.home() / ".cache" / "ray_lightning" / "wheels"))
 # `dev.py bench NAME` runs benchmarks/NAME.py instead of the training-speed benchmark (benchmarks/run.py).
-BENCHMARKS = ("recovery", "sharded", "step", "storage")
+BENCHMARKS = ("data", "recovery", "sharded", "step", "storage")
 # Everything whose change means the environment must be brought up to date.
 INSTALL_INPUTS = ("setup.py", "dev.py")
 
@@ -224,6 +225,8 @@ def main(argv: list[str]) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if argv[0] == "example" and "--tune" in argv:
         cmd = [str(PYTHON), "examples/tune_digits.py", *(a for a in argv[1:] if a != "--tune")]
+    elif argv[0] == "example" and "--data" in argv:
+        cmd = [str(PYTHON), "examples/ray_data_digits.py", *(a for a in argv[1:] if a != "--data")]
     elif argv[0] == "example":
         cmd = [str(PYTHON), "examples/train_digits.py", *argv[1:]]
     elif argv[0] == "bench" and argv[1:2] and argv[1] in BENCHMARKS:

@@ -1,0 +1,157 @@
+"""The data benchmark's tables: samples/s, idle time per step and fit time per contender, ratios against Ray
+Train, where the node's CPU went, and the goal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.data_driver import BASELINE, CONTENDERS, CPU_GROUPS
+from benchmarks.report import Metric, cell, summarize
+
+METRICS = (
+    Metric("epoch_samples_per_s", "samples/s, epoch", ".0f"),
+    Metric("samples_per_s", "samples/s, steady", ".0f"),
+    Metric("idle_epoch_ms", "idle per step, ms, epoch", ".1f"),
+    Metric("idle_ms", "idle per step, ms, steady (median)", ".1f"),
+    Metric("idle_mean_ms", "idle per step, ms, steady (mean)", ".1f"),
+    Metric("step_ms", "step, ms (median)", ".1f"),
+    Metric("setup_s", "on_fit_start → 1st batch, s", ".1f"),
+    Metric("first_batch_s", "fit → 1st batch, s", ".1f"),
+    Metric("fit_s", "fit, s", ".1f"),
+)
+# The metrics shown with a ratio of medians against Ray Train's.
+RATIOS = ("epoch_samples_per_s", "samples_per_s", "idle_epoch_ms", "idle_mean_ms", "fit_s")
+# The contenders judged against the goal (samples/s at least Ray Train's), and the throughputs judged.
+JUDGED = ("ray_data", "ray_data_ordered")
+JUDGED_METRICS = {"epoch_samples_per_s": "epoch", "samples_per_s": "steady"}
+
+
+def build(results: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
+    """Per contender and metric: samples, median, spread; the CPU per sample of each group of processes; ratios
+    of medians against Ray Train's."""
+    table: dict[str, dict[str, Any]] = {}
+    for name in order:
+        runs = [r for r in results if r["contender"] == name]
+        if not runs:
+            continue
+        cpus = [r["cpu"] for r in runs if r["cpu"]]
+        table[name] = {
+            "label": CONTENDERS[name].label,
+            "note": CONTENDERS[name].note,
+            "repeats": len(runs),
+            "metrics": {m.key: summarize([r["metrics"].get(m.key) for r in runs]) for m in METRICS},
+            "cpu_ms_per_sample": {g: summarize([c["cpu_ms_per_sample"][g] for c in cpus]) for g in CPU_GROUPS},
+            "cores": {g: summarize([c["cores"][g] for c in cpus]) for g in CPU_GROUPS},
+            "node_cores": summarize([c["node_cores"] for c in cpus]),
+            "machine_cores": summarize([c["machine_cores"] for c in cpus]),
+            "first_batch": runs[0]["first_batch"],
+        }
+    base = table.get(BASELINE)
+    for name, entry in table.items():
+        for key in RATIOS:
+            ours, theirs = entry["metrics"][key], base["metrics"][key] if base else None
+            if ours is not None and theirs is not None and theirs["median"] and name != BASELINE:
+                ours["ratio"] = ours["median"] / theirs["median"]
+    return table
+
+
+def goals(table: dict[str, Any]) -> list[dict[str, Any]]:
+    """RayDataModule's samples/s (the epoch's and the steady window's) against Ray Train's, for each
+    RayDataModule contender that ran: met, missed or unknown (Ray Train did not run)."""
+    rows = []
+    for name in (n for n in JUDGED if n in table):
+        for key, which in JUDGED_METRICS.items():
+            summary = table[name]["metrics"][key]
+            ratio = summary.get("ratio") if summary else None
+            status = "unknown" if ratio is None else "met" if ratio >= 1.0 else "missed"
+            rows.append({"goal": f"samples/s ({which}) at least Ray Train's", "contender": name, "metric": key,
+                         "value": ratio, "bound": 1.0, "status": status})  # fmt: skip
+    return rows
+
+
+def _header(document: dict[str, Any]) -> list[str]:
+    spec, machine, calibration = document["spec"], document["machine"], document["calibration"]
+    preprocessing = spec["workers"] * spec["loader_workers"]
+    load = document["load_average"]
+    return [
+        f"{spec['workers']} training workers, {machine['threads_per_process']} torch thread(s) each; one epoch of "
+        f"{spec['rows']} rows ({document['steps']} steps of {spec['batch_size']} rows per worker; throughput, idle "
+        f"and step over the steps after the first {spec['warmup']}). A row: a generated uint8 image "
+        f"{spec['channels']}x{spec['image']}x{spec['image']}, random crop to {spec['crop']}x{spec['crop']}, flip, "
+        f"normalize, {spec['work']} blur passes: {calibration['row_ms']:.2f} ms on one core (so at most "
+        f"{calibration['preprocessing_bound_samples_per_s']:.0f} samples/s if every core did nothing else); the "
+        f"model (conv 3→8, pool, linear) trains on a batch in {calibration['model_step_ms']:.1f} ms. Ray cluster: "
+        f"{document['cluster_cpus']} CPUs ({spec['workers']} for the workers, {preprocessing} for the preprocessing; "
+        f"the DataLoader has {spec['loader_workers']} process(es) per worker). "
+        f"{document['repeats']} repeat(s), each a fresh driver process, round-robin.",
+        f"Machine: {machine['cpus']} CPUs, {machine['memory_gb']:.0f} GB; torch {machine['torch']}, "
+        f"Lightning {machine['pytorch_lightning']}, Ray {machine['ray']}; load average (1 min) "
+        f"{load['before'][0]:.1f} before the run, {load['after'][0]:.1f} after.",
+    ]
+
+
+def _main_lines(table: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        f"Cells: median (min–max) ×ratio of medians against Ray Train's (`{BASELINE}`). All from rank 0's clock. "
+        "*Epoch*: from rank 0's `on_fit_start` (every pipeline starts reading after it: its ramp-up counts, the "
+        "workers' launch does not) to its last step's end. *Steady*: from the end of the warm-up steps to the "
+        "last step's end; a pipeline that preprocessed ahead during the ramp-up serves that window from memory. "
+        "samples/s: both workers' rows. Idle: the gap between rank 0's `on_train_batch_end` and its next "
+        "`on_train_batch_start`, where Lightning fetches the next batch; *epoch*: all of the epoch that was not "
+        "a step, over the steps (the wait for the first batch included). Step: `on_train_batch_start` → "
+        "`on_train_batch_end` (forward, backward with DDP's all-reduce, SGD). fit: the driver's `fit()` call, "
+        "Ray already initialized.",
+        "",
+        "| contender | " + " | ".join(m.title for m in METRICS) + " |",
+        "| --- |" + " ---: |" * len(METRICS),
+    ]
+    for name, entry in table.items():
+        cells = [cell(entry["metrics"][m.key], m.fmt, "ratio") for m in METRICS]
+        lines.append(f"| `{name}`: {entry['label']} | " + " | ".join(cells) + " |")
+    notes = [f"- `{name}`: {entry['note']}." for name, entry in table.items() if entry["note"]]
+    return lines + (["", *notes] if notes else [])
+
+
+def _cpu_lines(table: dict[str, Any]) -> list[str]:
+    groups = [g for g in CPU_GROUPS if any(e["cpu_ms_per_sample"][g] for e in table.values())]
+    if not groups:
+        return []
+    lines = [
+        "",
+        "Where the CPU went over the steady window: CPU ms per sample of each group of the Ray node's processes "
+        "(the raylet and its descendants, from `/proc`, medians), the node's and the whole machine's busy cores.",
+        "",
+        "| contender | " + " | ".join(CPU_GROUPS[g] for g in groups) + " | all, ms/sample | node, cores | "
+        "machine, cores |",
+        "| --- |" + " ---: |" * (len(groups) + 3),
+    ]
+    for name, entry in table.items():
+        per_sample = entry["cpu_ms_per_sample"]
+        total = sum(per_sample[g]["median"] for g in groups if per_sample[g])
+        cells = [cell(per_sample[g], ".2f", "") for g in groups]
+        cells += [f"{total:.2f}", cell(entry["node_cores"], ".2f", ""), cell(entry["machine_cores"], ".2f", "")]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _goal_lines(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", "| goal (reported, not asserted) | contender | ratio | bound | status |",
+             "| --- | --- | ---: | ---: | --- |"]  # fmt: skip
+    for row in rows:
+        value = "n/a" if row["value"] is None else f"{row['value']:.2f}"
+        lines.append(f"| {row['goal']} | `{row['contender']}` | {value} | {row['bound']:g} | {row['status']} |")
+    return lines
+
+
+def markdown(document: dict[str, Any]) -> str:
+    """The tables as markdown, to print and to paste into benchmarks/README.md."""
+    table = document["table"]
+    lines = _header(document) + _main_lines(table) + _cpu_lines(table) + _goal_lines(document["goals"])
+    errors = document["errors"]
+    if errors:
+        lines += ["", "Failed measurements (the JSON has the end of each driver's log):"]
+        lines += [f"- {e['contender']}, repeat {e['repeat'] + 1}: {e['error'].splitlines()[0]}" for e in errors]
+    return "\n".join(lines) + "\n"

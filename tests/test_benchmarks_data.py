@@ -1,0 +1,73 @@
+"""Smoke test of the Ray Data benchmark (benchmarks/data.py): tiny sizes, once, the three ways to feed the workers.
+
+It checks that every contender trained the whole epoch on every worker with the same batches, and that every
+metric is there and finite, samples/s positive, the CPU breakdown taken and the goal judged; it asserts no time,
+ratio or goal's outcome (those depend on the machine; see benchmarks/README.md for the real run).
+`ray_data_ordered` is left out: it is `ray_data` with `shuffle=None`, the same code path here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks.data_driver import CPU_GROUPS
+from benchmarks.data_report import METRICS
+from tests.benchmark_runs import run_benchmark
+
+SMOKE_CONTENDERS = ("ray_data", "ray_train", "torch_loader")
+# Three driver processes of one small fit each (Ray Train's starts a controller and a worker group): 1-2 minutes
+# on 2 quiet cores, more on busy ones.
+BENCHMARK_TIMEOUT_S = 900
+pytestmark = pytest.mark.timeout(BENCHMARK_TIMEOUT_S + 120)
+
+
+def _run_benchmark(out: Path, *args: str) -> tuple[int, str]:
+    return run_benchmark("data", out, BENCHMARK_TIMEOUT_S, *args)
+
+
+def test_data_benchmark_measures_every_contender(tmp_path):
+    code, output = _run_benchmark(
+        tmp_path, "--tiny", "--repeats", "1", "--name", "smoke", "--timeout", "600", "--contenders",
+        ",".join(SMOKE_CONTENDERS),
+    )  # fmt: skip
+    assert code == 0, output[-8000:]
+
+    document = json.loads((tmp_path / "smoke.json").read_text())
+    markdown = (tmp_path / "smoke.md").read_text()
+    assert document["errors"] == []
+    table = document["table"]
+    assert list(table) == list(SMOKE_CONTENDERS)
+    for name, entry in table.items():
+        assert entry["repeats"] == 1 and entry["label"] in markdown, name
+        for metric in METRICS:
+            summary = entry["metrics"][metric.key]
+            assert summary is not None, (name, metric.key)
+            assert all(math.isfinite(v) and v >= 0 for v in summary["samples"]), (name, metric.key, summary)
+        for key in ("epoch_samples_per_s", "samples_per_s"):
+            assert entry["metrics"][key]["median"] > 0, (name, key)
+            # Ratios against Ray Train's, measured in the same run.
+            assert name == "ray_train" or math.isfinite(entry["metrics"][key]["ratio"]), (name, key)
+        # The CPU of the Ray node over the steady window: the training workers' is always there.
+        assert entry["cpu_ms_per_sample"]["ranks"]["median"] > 0, (name, entry["cpu_ms_per_sample"])
+        assert set(entry["cpu_ms_per_sample"]) == set(CPU_GROUPS)
+        assert entry["machine_cores"]["median"] > 0, name
+
+    spec = document["spec"]
+    crop = spec["crop"]
+    batch = {"image": [[spec["batch_size"], spec["channels"], crop, crop], "torch.float32"],
+             "label": [[spec["batch_size"]], "torch.int64"]}  # fmt: skip
+    for run in document["measurements"]:
+        name = run["contender"]
+        # Every contender trained the whole epoch on every worker, with the same batches.
+        assert run["world_size"] == spec["workers"] and run["steps"] == document["steps"], name
+        assert set(run["ranks"]) == {str(r) for r in range(spec["workers"])}, name
+        assert all(first == batch for first in run["first_batch"].values()), (name, run["first_batch"])
+        assert run["cpu"] is not None, name
+    # The goal is judged for RayDataModule, both throughputs, and the judgement is in the tables.
+    judged = [(g["contender"], g["metric"]) for g in document["goals"] if g["status"] in ("met", "missed")]
+    assert judged == [("ray_data", "epoch_samples_per_s"), ("ray_data", "samples_per_s")], document["goals"]
+    assert all(g["goal"] in markdown for g in document["goals"])
