@@ -54,10 +54,10 @@ def session_pythonpath() -> str:
 
 
 @contextlib.contextmanager
-def connected_cluster(*worker_nodes: dict) -> Iterator[Cluster]:
+def connected_cluster(*worker_nodes: dict, runtime_env: dict | None = None) -> Iterator[Cluster]:
     """This process connected to a new ``ray.cluster_utils.Cluster``: a 1-CPU head (the driver's node)
     and one node per ``add_node`` keyword dict; shut down afterwards (the session's local Ray
-    starts again on the next ``ray_local``)."""
+    starts again on the next ``ray_local``). ``runtime_env``: the job's, as a user gives one to ship code."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -67,7 +67,7 @@ def connected_cluster(*worker_nodes: dict) -> Iterator[Cluster]:
     for node in worker_nodes:
         cluster.add_node(**node)
     try:
-        ray.init(address=cluster.address)
+        ray.init(address=cluster.address, runtime_env=runtime_env)
         cluster.wait_for_nodes()
         yield cluster
     finally:

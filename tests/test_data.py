@@ -207,10 +207,13 @@ def test_a_checkpoint_resumes_mid_epoch_on_another_number_of_workers(tmp_path):
 
 
 def test_preprocessing_runs_on_a_node_without_training_workers(tmp_path):
-    from tests.conftest import connected_cluster
+    from tests.conftest import connected_cluster, session_pythonpath
 
-    # The workers need "trainer" resources, which only one node has; its 2 CPUs are all theirs.
-    with connected_cluster({"num_cpus": 2, "resources": {"trainer": 2}}, {"num_cpus": 2}):
+    # The workers need "trainer" resources, which only one node has; its 2 CPUs are all theirs. Ray Data's
+    # tasks (and the dealer, which unpickles the dataset) import `features` from this module: the job ships the
+    # checkout, as a user's job ships its code (runtime_env), since Ray pickles module functions by reference.
+    nodes = ({"num_cpus": 2, "resources": {"trainer": 2}}, {"num_cpus": 2})
+    with connected_cluster(*nodes, runtime_env={"env_vars": {"PYTHONPATH": session_pythonpath()}}):
         strategy = RayStrategy(num_workers=2, resources_per_worker={"trainer": 1})
         trainer = _trainer(strategy, max_epochs=1)
         trainer.fit(IdModel(str(tmp_path)), datamodule=RayDataModule(train=dataset(64, preprocess=True), batch_size=8))
