@@ -339,6 +339,9 @@ def cpu_breakdown(snapshots: list[dict[str, Any]], ranks: set[int], samples: int
         "cores": {g: s / wall for g, s in groups.items()},
         "node_cores": sum(groups.values()) / wall,
         "machine_cores": (last["machine_busy_s"] - first["machine_busy_s"]) / wall,
+        # The machine's busy cores that were not this Ray node's: the driver, the GCS, and any other work on the
+        # machine (~0.1 when the benchmark has the machine to itself).
+        "other_cores": (last["machine_busy_s"] - first["machine_busy_s"] - sum(groups.values())) / wall,
         "cpus": last["cpus"],
         "ended_in_window": ended,
     }

@@ -44,6 +44,7 @@ def build(results: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
             "cores": {g: summarize([c["cores"][g] for c in cpus]) for g in CPU_GROUPS},
             "node_cores": summarize([c["node_cores"] for c in cpus]),
             "machine_cores": summarize([c["machine_cores"] for c in cpus]),
+            "other_cores": summarize([c["other_cores"] for c in cpus]),
             "first_batch": runs[0]["first_batch"],
         }
     base = table.get(BASELINE)
@@ -120,17 +121,19 @@ def _cpu_lines(table: dict[str, Any]) -> list[str]:
     lines = [
         "",
         "Where the CPU went over the steady window: CPU ms per sample of each group of the Ray node's processes "
-        "(the raylet and its descendants, from `/proc`, medians), the node's and the whole machine's busy cores.",
+        "(the raylet and its descendants, from `/proc`, medians), the node's and the whole machine's busy cores; "
+        "machine − node: the driver, the GCS and any other work on the machine (~0.1 when the benchmark has the "
+        "machine to itself: more means the run shared it).",
         "",
         "| contender | " + " | ".join(CPU_GROUPS[g] for g in groups) + " | all, ms/sample | node, cores | "
-        "machine, cores |",
-        "| --- |" + " ---: |" * (len(groups) + 3),
+        "machine, cores | machine − node, cores |",
+        "| --- |" + " ---: |" * (len(groups) + 4),
     ]
     for name, entry in table.items():
         per_sample = entry["cpu_ms_per_sample"]
         total = sum(per_sample[g]["median"] for g in groups if per_sample[g])
         cells = [cell(per_sample[g], ".2f", "") for g in groups]
-        cells += [f"{total:.2f}", cell(entry["node_cores"], ".2f", ""), cell(entry["machine_cores"], ".2f", "")]
+        cells += [f"{total:.2f}"] + [cell(entry[k], ".2f", "") for k in ("node_cores", "machine_cores", "other_cores")]
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     return lines
 
@@ -141,7 +144,7 @@ def _goal_lines(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["", "| goal (reported, not asserted) | contender | ratio | bound | status |",
              "| --- | --- | ---: | ---: | --- |"]  # fmt: skip
     for row in rows:
-        value = "n/a" if row["value"] is None else f"{row['value']:.2f}"
+        value = "n/a" if row["value"] is None else f"{row['value']:.3f}"
         lines.append(f"| {row['goal']} | `{row['contender']}` | {value} | {row['bound']:g} | {row['status']} |")
     return lines
 
