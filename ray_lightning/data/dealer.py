@@ -112,13 +112,11 @@ class _Pass:
 
     def batch(self, g: int) -> list[Any] | None:
         """Global batch ``g`` ([a reference to its table]), or None where the pass has no such batch."""
-
         while g >= self._next and (self._last is None or self._next < self._last):
             self._cut()
         if self._last is not None and g >= self._last:
             return None
-        ref = self._ready.pop(g)
-        return [ref] if ref is not None else None
+        return [self._ready.pop(g)]
 
     def _cut(self) -> None:
         """Cut the next global batch (evaluation) or the next step's ``world_size`` batches (training)."""
