@@ -60,7 +60,7 @@ HOROVOD_VERSION = "0.28.1"
 DEEPSPEED_VERSION = "0.19.8"
 WHEEL_CACHE = Path(os.environ.get("RAY_LIGHTNING_WHEEL_CACHE", Path.home() / ".cache" / "ray_lightning" / "wheels"))
 # `dev.py bench NAME` runs benchmarks/NAME.py instead of the training-speed benchmark (benchmarks/run.py).
-BENCHMARKS = ("data", "recovery", "sharded", "step", "storage")
+BENCHMARKS = ("data", "fabric", "recovery", "sharded", "step", "storage")
 # Everything whose change means the environment must be brought up to date.
 INSTALL_INPUTS = ("setup.py", "dev.py")
 

@@ -14,8 +14,8 @@ Example::
 
 The package's layers, lowest first (each imports only those below it; ``tests/test_layers.py``):
 ``namespaces``, ``errors``, ``config``, ``environment``, ``runtime``, ``_torch``, ``_ray``, ``_lightning``,
-``channel``, ``home``, ``data``, ``launch``, ``strategies``, ``horovod``, ``tune``. Ray Data comes in through
-:class:`ray_lightning.data.RayDataModule`.
+``channel``, ``home``, ``data``, ``launch``, ``strategies``, ``fabric``, ``horovod``, ``tune``. Ray Data comes in
+through :class:`ray_lightning.data.RayDataModule`; Lightning Fabric through :mod:`ray_lightning.fabric`.
 
 Where to look: a worker is started in :mod:`ray_lightning.launch.worker_group`; ranks come from
 :mod:`ray_lightning.environment`; a restart is decided in :mod:`ray_lightning.launch.failures`; results
@@ -27,6 +27,7 @@ from ray_lightning import namespaces  # noqa: F401, I001
 from ray_lightning import _lightning
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.errors import ClusterResourceError, RayWorkerError, StorageError, WorkerHangError
+from ray_lightning import fabric
 from ray_lightning.horovod.strategy import HorovodRayAccelerator, HorovodRayStrategy
 from ray_lightning.launch.idle_pool import release_idle_workers
 from ray_lightning.strategies.ddp import RayAccelerator, RayStrategy
@@ -38,6 +39,7 @@ from ray_lightning.strategies.model_parallel import RayModelParallelAccelerator,
 __version__ = "0.6.0"
 
 _lightning.install()
+fabric.install()
 
 __all__ = [
     "ClusterResourceError",

@@ -33,6 +33,7 @@ LAYERS = [
     "data",
     "launch",
     "strategies",
+    "fabric",
     "horovod",
     "tune",
     "__init__",

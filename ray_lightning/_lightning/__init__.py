@@ -21,7 +21,7 @@ one breaks one folder, and ``tests/test_lightning_internals.py`` names what move
 :data:`PRIVATE_NAMES` lists all of them; a test checks each still exists.
 """
 
-from ray_lightning._lightning import sharded
+from ray_lightning._lightning import fabric, sharded
 from ray_lightning._lightning.connector import (
     BringsItsStrategy,
     ChoosesItsAccelerator,
@@ -41,6 +41,7 @@ from ray_lightning._lightning.names import (
     is_mock_optimizer,
     launcher_bases,
     load_fit_progress,
+    logger_directory_holders,
     output_directories,
     use_filesystems_of_paths,
 )
@@ -64,7 +65,9 @@ __all__ = [
     "use_filesystems_of_paths",
     "is_mock_optimizer",
     "load_fit_progress",
+    "logger_directory_holders",
     "output_directories",
     "raise_not_converted",
+    "fabric",
     "sharded",
 ]

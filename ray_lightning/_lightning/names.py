@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ray_lightning import namespaces
+from ray_lightning._lightning import fabric as fabric_names
 from ray_lightning._lightning import sharded
 from ray_lightning._lightning.loggers import logger_owners, third_party_owners
 from ray_lightning._torch.private import PrivateName
@@ -101,12 +102,17 @@ def is_mock_optimizer(optimizer: Any) -> bool:
 def directory_holders(trainer: pl.Trainer) -> Iterator[tuple[Any, tuple[str, ...]]]:
     """``(object, attribute names)`` for everything that holds a directory or file rank 0 writes to."""
     yield trainer, TRAINER_DIRECTORIES
-    for logger in trainer.loggers:
-        yield logger, LOGGER_DIRECTORIES
+    yield from logger_directory_holders(trainer.loggers)
     model_checkpoint = namespaces.every("callbacks.ModelCheckpoint")
     for callback in trainer.callbacks:
         if isinstance(callback, model_checkpoint):
             yield callback, CHECKPOINT_PATHS
+
+
+def logger_directory_holders(loggers: Iterable[Any]) -> Iterator[tuple[Any, tuple[str, ...]]]:
+    """``(logger, attribute names)`` of the directories loggers (the Trainer's or Fabric's) write under."""
+    for logger in loggers:
+        yield logger, LOGGER_DIRECTORIES
 
 
 def use_filesystems_of_paths(trainer: pl.Trainer) -> None:
@@ -200,6 +206,8 @@ def _private_names(ns: Namespace) -> Iterator[PrivateName]:
     yield PrivateName(f"{pl_}.loggers.CSVLogger", "_save_dir", _logger(ns, "CSVLogger"))
     yield PrivateName(f"{pl_}.loggers.TensorBoardLogger", "_root_dir", _logger(ns, "TensorBoardLogger"))
     for kind in ("CSVLogger", "TensorBoardLogger"):
+        yield PrivateName(f"{fabric}.loggers.{kind}", "_root_dir", lambda k=kind: ns.fabric(f"loggers.{k}")(os.devnull))
+    for kind in ("CSVLogger", "TensorBoardLogger"):
         yield PrivateName(f"{pl_}.loggers.{kind}", LOGGER_FILESYSTEM, _logger(ns, kind))
     for name in ("_accelerator", "_launcher", "_lightning_optimizers", "_configure_launcher"):
         yield PrivateName(f"{pl_}.strategies.Strategy", name, _ddp_strategy(ns))
@@ -220,6 +228,10 @@ def _private_names(ns: Namespace) -> Iterator[PrivateName]:
     yield PrivateName(f"{pl_}.LightningModule", sharded.MESH, lambda: ns.pl("LightningModule")())
     fsdp = f"{pl_}.strategies.FSDPStrategy"
     yield PrivateName(fsdp, sharded.STATE_DICT_TYPE, lambda: ns.pl("strategies.FSDPStrategy")())
+    ddp = f"{pl_}.strategies.DDPStrategy"
+    yield PrivateName(ddp, fabric_names.DDP_KWARGS, lambda: ns.pl("strategies.DDPStrategy")())
+    for where, name, owner in fabric_names.private_names(ns):
+        yield PrivateName(where, name, owner)
     for where, needs, attributes, owner in logger_owners(ns):
         for name in attributes:
             yield PrivateName(where, name, owner, needs)

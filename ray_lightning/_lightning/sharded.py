@@ -51,8 +51,13 @@ EVALUATION_LOOPS = ("fit_loop.epoch_loop.val_loop", "validate_loop", "test_loop"
 
 def set_device_mesh(strategy: Any, mesh: Any) -> None:
     """Make ``mesh`` the strategy's ``device_mesh`` and the module's ``self.device_mesh``."""
-    setattr(strategy, MESH, mesh)
+    set_strategy_mesh(strategy, mesh)
     setattr(strategy.lightning_module, MESH, mesh)
+
+
+def set_strategy_mesh(strategy: Any, mesh: Any) -> None:
+    """Make ``mesh`` the ``device_mesh`` of a ``ModelParallelStrategy`` (the Trainer's or Fabric's)."""
+    setattr(strategy, MESH, mesh)
 
 
 def saves_sharded_checkpoints(strategy: Any) -> bool:

@@ -55,7 +55,16 @@ def new_staging_name() -> str:
 
 
 def _map_paths(trainer: pl.Trainer, mapping: Callable[[str], str]) -> None:
-    for holder, attributes in _lightning.directory_holders(trainer):
+    _map_holders(_lightning.directory_holders(trainer), mapping)
+
+
+def map_logger_paths(loggers: Iterable[Any], mapping: Callable[[str], str]) -> None:
+    """Apply ``mapping`` to the local directories ``loggers`` (Fabric's) write under."""
+    _map_holders(_lightning.logger_directory_holders(loggers), mapping)
+
+
+def _map_holders(holders: Iterable[tuple[Any, tuple[str, ...]]], mapping: Callable[[str], str]) -> None:
+    for holder, attributes in holders:
         for name in attributes:
             value = getattr(holder, name, None)
             if isinstance(value, (str, os.PathLike)) and _lightning.is_local_file_protocol(value) and os.fspath(value):

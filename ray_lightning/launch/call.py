@@ -34,7 +34,7 @@ from ray_lightning.home.results import WorkerOutput, collect_worker_output
 from ray_lightning.launch import priority
 from ray_lightning.launch.payload import with_checkpoint_path
 from ray_lightning.launch.preemption import PreemptionWatch, SigtermFirst, where_this_runs
-from ray_lightning.launch.weights_out import WeightsAside, take_weights
+from ray_lightning.launch.weights_out import take_weights
 from ray_lightning.runtime import WorkerContext
 
 if TYPE_CHECKING:
@@ -69,18 +69,19 @@ class WorkerCall:
                 if heartbeat is not None:
                     heartbeat.start()
                 runtime.mark_progress("unpickling the Trainer and module", startup=True)
-                return self._run(*ray.get(payload))
+                trainer, function, args, kwargs, weights, strategy = ray.get(payload)
+                runtime.mark_progress("receiving the module's weights", startup=True)
+                take_weights(weights)
+                if trainer is None:
+                    return self._run_function(strategy, function, args, kwargs)
+                return self._run(trainer, function, args, kwargs)
         finally:
             if heartbeat is not None:
                 heartbeat.stop()
             end_of_output(context.output_marker)
 
-    def _run(
-        self, trainer: pl.Trainer, function: Callable, args: tuple, kwargs: dict, weights: WeightsAside | None
-    ) -> WorkerOutput | None:
+    def _run(self, trainer: pl.Trainer, function: Callable, args: tuple, kwargs: dict) -> WorkerOutput | None:
         context = self.context
-        runtime.mark_progress("receiving the module's weights", startup=True)
-        take_weights(weights)
         with contextlib.ExitStack() as scratch:
             if context.checkpoint_file is not None:
                 path = _local_checkpoint(context.checkpoint_file, scratch)
@@ -131,6 +132,33 @@ class WorkerCall:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
         return output
+
+    def _run_function(self, strategy: Any, function: Callable, args: tuple, kwargs: dict) -> WorkerOutput | None:
+        """A function without a Trainer (Fabric's ``launch``): run it with the strategy attached; rank 0 sends
+        its return value, and every rank that staged sends the files it wrote (``fabric.save``, the loggers')."""
+        context = self.context
+        rank_zero = context.rank.global_rank == 0
+        staging = files.staging_dir(context.staging_name) if context.staging_name else None
+        if staging is not None:
+            files.make_private_dir(staging)
+        self._strategy = strategy
+        strategy.attach_worker(context, self._store, staging)
+        if strategy.workers.init_hook is not None:
+            runtime.mark_progress("init_hook", startup=True)
+            strategy.workers.init_hook()
+        assert self._watch is not None
+        self._watch.install()  # SIGTERM (preemption) reaches the watch before the function's own handlers
+        with readable_output(rank_zero, progress_to_driver=False):
+            results = function(*args, **kwargs)
+        runtime.mark_progress("collecting the results")
+        sent = files.collect(staging) if staging is not None else {}
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if not rank_zero and not sent:
+            return None
+        rank = context.rank.global_rank
+        results = namespaces.to_cpu(results) if rank_zero else None
+        return WorkerOutput(rank, results=results, files=sent, staged=staging is not None)
 
     def finish(self) -> None:
         """After the call: leave its process group and environment (its results were sent, or it failed and a

@@ -150,7 +150,7 @@ class RayLauncher(*_lightning.launcher_bases()):
         call = _Call(
             checkpoint=checkpoint_argument(function, args, kwargs, trainer),
             seed_directories=_seed_directories(trainer),
-            payload=put_payload(trainer, function, args, kwargs),
+            payload=put_payload(trainer, function, args, kwargs, None if trainer is not None else self._strategy),
             recovery=Recovery(self._strategy.workers.recovery, scope, self._strategy.restarts, run),
             scope=scope,
             run=run,
@@ -333,9 +333,9 @@ class RayLauncher(*_lightning.launcher_bases()):
 
     def _bring_home(self, attempt: Attempt, trainer: pl.Trainer | None, call: _Call) -> Any:
         outputs = attempt.outputs or []
-        rank_zero = next(o for o in outputs if o is not None and o.trainer_state is not None)
+        rank_zero = next(o for o in outputs if o is not None and o.global_rank == 0)
         if trainer is None:
-            return rank_zero.results
+            return self._function_home(outputs, rank_zero)
         written = apply_to_driver(trainer, rank_zero, call.scope, weight_chunks(attempt.group.actors, outputs))
         for output in outputs:
             if output is not None and output is not rank_zero and output.files:
@@ -354,6 +354,17 @@ class RayLauncher(*_lightning.launcher_bases()):
                 return None
             per_rank = [o.predictions or [] for o in outputs if o is not None]
             return merge_predictions(per_rank, rank_zero.num_predict_dataloaders)
+        return rank_zero.results
+
+    def _function_home(self, outputs: list[WorkerOutput | None], rank_zero: WorkerOutput) -> Any:
+        """A function without a Trainer (Fabric's): the files ranks off this machine wrote, at the paths they
+        gave (``fabric.save``, the loggers' directories: the only writes that stage), and rank 0's return value."""
+        sent = {path: data for o in outputs if o is not None for path, data in o.files.items()}
+        scope = files.WriteScope(tuple(sorted({os.path.dirname(os.path.abspath(p)) for p in sent})))
+        self.transferred_files = files.write(sent, scope)
+        if self.transferred_files:
+            copied = ", ".join(self.transferred_files)
+            log.info("ray_lightning: copied %s from the workers' nodes to this machine", copied)
         return rank_zero.results
 
     def _fetch_staged_files(self, area: files.StagingArea, call: _Call) -> None:

@@ -109,16 +109,20 @@ def prepare_arguments(trainer: pl.Trainer | None, args: tuple, kwargs: dict, res
     return ends
 
 
-def put_payload(trainer: pl.Trainer | None, function: Callable, args: tuple, kwargs: dict) -> ray.ObjectRef:
+def put_payload(
+    trainer: pl.Trainer | None, function: Callable, args: tuple, kwargs: dict, strategy: Any = None
+) -> ray.ObjectRef:
     """Serialize the Trainer, module and arguments once; every worker reads the same object.
 
+    ``strategy``: without a Trainer (Fabric's ``launch``), the strategy the workers attach, pickled with
+    the arguments so that it is the very object the function's Fabric holds.
     The modules' big tensors travel beside the pickle, in chunks (:mod:`.weights_out`); the payload
     holds what :func:`~.weights_out.take_weights` needs to put them back in each worker.
     """
     modules = [trainer.lightning_module if trainer is not None else None, *args, *kwargs.values()]
     try:
         with weights_aside(modules) as aside:
-            return ray.put((trainer, function, args, kwargs, aside))
+            return ray.put((trainer, function, args, kwargs, aside, strategy))
     except Exception as error:
         culprit = _find_unserializable(trainer, args, kwargs)
         raise TypeError(

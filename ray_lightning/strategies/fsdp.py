@@ -176,26 +176,10 @@ class RayFSDPStrategy(RayWorkersMixin, ShardedWorkersMixin):
         self.join_process_group()
         from torch.distributed.device_mesh import init_device_mesh
 
-        shape, names = self._mesh_layout()
+        shape, names = mesh_layout(self.sharding_strategy, self.world_size, self.num_processes, self.num_nodes)
         mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
         _lightning.sharded.set_device_mesh(self, mesh)
         runtime.mark_progress("setup", "prepare_data, setup hooks, configure_model")
-
-    def _mesh_layout(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        """The mesh's shape and names: 1-D to shard over every rank; 2-D ``(replicate, shard)`` to replicate."""
-        world = self.world_size
-        if self.sharding_strategy == "NO_SHARD":
-            return (world, 1), ("replicate", "shard")
-        if self.sharding_strategy == "HYBRID_SHARD":
-            per_node = self.num_processes
-            if per_node * self.num_nodes != world:
-                raise RuntimeError(
-                    "sharding_strategy='HYBRID_SHARD' shards within each node and needs as many workers on every "
-                    f"node, but Ray placed {world} workers on {self.num_nodes} nodes unevenly. Reserve whole nodes "
-                    "(resources_per_worker sized so that nodes fill evenly) or use 'FULL_SHARD'."
-                )
-            return (self.num_nodes, per_node), ("replicate", "shard")
-        return (world,), ("data_parallel",)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -216,15 +200,18 @@ class RayFSDPStrategy(RayWorkersMixin, ShardedWorkersMixin):
         if fitting:
             _lightning.sharded.optimizers_to_device(ns, self.optimizers, self.root_device)
 
-    def shard(self, module: nn.Module) -> None:
-        """Activation checkpointing, then ``fully_shard`` on the policy's layers, the module's children, itself."""
+    def shard(self, module: nn.Module, mesh: Any = None) -> nn.Module:
+        """Activation checkpointing, then ``fully_shard`` on the policy's layers, the module's children, itself.
+
+        ``mesh``: the device mesh to shard over (default the strategy's, in a worker's Trainer call).
+        """
         from torch.distributed.fsdp import fully_shard
 
         if _is_sharded(module):
-            return  # sharded by the module's own configure_model
+            return module  # sharded by the module's own configure_model
         if self.checkpoints_activations is not None:
             _torch.apply_activation_checkpointing(module, check_fn=self.checkpoints_activations)
-        options = self._fully_shard_options()
+        options = self._fully_shard_options(self.device_mesh if mesh is None else mesh)
         if self.wraps is not None:
             for layer in reversed(list(module.modules())):  # innermost first
                 if layer is not module and self.wraps(layer) and not _is_sharded(layer):
@@ -234,21 +221,42 @@ class RayFSDPStrategy(RayWorkersMixin, ShardedWorkersMixin):
                 fully_shard(unit, **options)
         if any(not _is_dtensor(p) for p in module.parameters(recurse=False)):
             fully_shard(module, **options)
+        return module
 
-    def _fully_shard_options(self) -> dict[str, Any]:
+    def _fully_shard_options(self, mesh: Any) -> dict[str, Any]:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
         offload = self.cpu_offload
         if offload is True:
-            offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
+            offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
         options: dict[str, Any] = {
-            "mesh": self.device_mesh,
+            "mesh": mesh,
             "reshard_after_forward": self.sharding_strategy != "SHARD_GRAD_OP",
             "mp_policy": self.mixed_precision or MixedPrecisionPolicy(),
             "offload_policy": offload or OffloadPolicy(),
         }
         options.update(self.fsdp_kwargs)
         return options
+
+
+def mesh_layout(
+    sharding_strategy: str, world: int, per_node: int, num_nodes: int
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The mesh's shape and names: 1-D to shard over every rank; 2-D ``(replicate, shard)`` to replicate.
+
+    ``per_node``: the workers on this rank's node; ``num_nodes``: the nodes the workers span.
+    """
+    if sharding_strategy == "NO_SHARD":
+        return (world, 1), ("replicate", "shard")
+    if sharding_strategy == "HYBRID_SHARD":
+        if per_node * num_nodes != world:
+            raise RuntimeError(
+                "sharding_strategy='HYBRID_SHARD' shards within each node and needs as many workers on every "
+                f"node, but Ray placed {world} workers on {num_nodes} nodes unevenly. Reserve whole nodes "
+                "(resources_per_worker sized so that nodes fill evenly) or use 'FULL_SHARD'."
+            )
+        return (num_nodes, per_node), ("replicate", "shard")
+    return (world,), ("data_parallel",)
 
 
 def _units(module: nn.Module) -> list[nn.Module]:

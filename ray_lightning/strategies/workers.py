@@ -493,15 +493,21 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
         assert self._cluster_environment is not None
         self._cluster_environment.configure(context.rank, context.world_size, context.main_address, context.main_port)
         self.parallel_devices = [self.root_device] * context.rank.local_world_size
-        plugin = self.precision_plugin
-        mixed_precision = self.namespace.pl("plugins.precision.MixedPrecision")
-        if type(plugin) is mixed_precision and plugin.device != self.root_device.type:
-            # Lightning built it for the driver's device; a GradScaler made where CUDA is absent is
-            # disabled for good, so build it anew for the device this worker trains on.
-            self.precision_plugin = mixed_precision(plugin.precision, self.root_device.type)
+        self.adapt_precision_to_device()
         if self.workers.storage.enabled and not isinstance(self.checkpoint_io, BackgroundCheckpointIO):
             # Rank 0's checkpoint files go to storage while training goes on (home.background_io).
             self.checkpoint_io = BackgroundCheckpointIO(self.checkpoint_io)
+
+    def adapt_precision_to_device(self) -> None:
+        """In a worker: mixed precision for the device this worker trains on, not the driver's.
+
+        Lightning built it for the driver's device; a GradScaler made where CUDA is absent is disabled
+        for good, so it is built anew.
+        """
+        plugin = self.precision_plugin
+        mixed_precision = self.namespace.pl("plugins.precision.MixedPrecision")
+        if type(plugin) is mixed_precision and plugin.device != self.root_device.type:
+            self.precision_plugin = mixed_precision(plugin.precision, self.root_device.type)
 
     def detach_worker(self) -> None:
         """Called by the worker after a call succeeded: leave the process group, so that the

@@ -1,0 +1,39 @@
+"""``RayFabricLauncher``: what ``fabric.launch(fn, *args)`` calls: ``fn(fabric, *args)`` on every Ray actor.
+
+It is the Trainer's :class:`~ray_lightning.launch.launcher.RayLauncher` (placement, warm workers, the
+watchdog, restarts, output, errors with rank and traceback) called without a Trainer; before it launches,
+the Fabric strategy learns the driver's working directory (the workers resolve relative paths against it)
+and the Fabric's loggers (rank 0 off this machine writes their directories under its staging directory).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from typing_extensions import override
+
+from ray_lightning import _lightning
+from ray_lightning.home import files
+from ray_lightning.launch.launcher import RayLauncher
+
+
+class RayFabricLauncher(RayLauncher):
+    """Runs ``fabric.launch(fn, *args)`` on the strategy's Ray actors; returns rank 0's return value."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if _lightning.fabric.is_argumentless_launch(function):
+            raise RuntimeError(
+                "fabric.launch() without a function cannot run on Ray actors: Fabric's own launchers re-run this "
+                "script in each process, which Ray workers do not do (the script may be a notebook, or run under "
+                "Ray Client). Put the training code in a function that takes the Fabric object and call "
+                "fabric.launch(train, *args): it runs on every worker and returns rank 0's return value here."
+            )
+        fabric = args[0] if args else None
+        strategy = self._strategy
+        strategy.driver_cwd = os.getcwd()
+        strategy.loggers = list(getattr(fabric, "loggers", []))
+        files.map_logger_paths(strategy.loggers, lambda p: os.path.abspath(os.path.expanduser(p)))
+        return super().launch(function, *args, trainer=None, **kwargs)

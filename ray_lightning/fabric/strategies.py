@@ -1,0 +1,275 @@
+"""The Fabric strategies behind ``Fabric(strategy=RayStrategy(...))``: Fabric's own, on Ray actors.
+
+A Fabric user names the strategy a Trainer user knows (``RayStrategy``, ``RayFSDPStrategy``, or a registered
+name: ``"ray"``, ``"fsdp_ray"``); Fabric's connector (wrapped in :mod:`ray_lightning._lightning.fabric`)
+hands it to :func:`for_fabric`, which returns its Fabric form, built on the same record of workers:
+
+* :class:`RayFabricDDPStrategy`: Fabric's ``DDPStrategy`` (``RayStrategy``),
+* :class:`RayFabricFSDPStrategy`: Fabric's ``ModelParallelStrategy`` whose ``parallelize_fn`` shards as
+  ``RayFSDPStrategy`` does (FSDP2, its wrap policy and options), over a mesh of every rank.
+
+:class:`RayFabricWorkers` is what they share: the Trainer strategies' workers and process group
+(:class:`~ray_lightning.strategies.workers.RayWorkersMixin`), Fabric's private hooks
+(:class:`~ray_lightning._lightning.fabric.FabricStrategyHooks`), the launcher that runs ``fabric.launch(fn)``
+on the actors (:class:`~ray_lightning.fabric.launcher.RayFabricLauncher`), progress for the hang watchdog
+from collectives and ``backward``, and the paths ``fabric.save``/``fabric.load`` read and write in a worker:
+relative to the driver's working directory, and under a staging directory on a node that is not the
+driver's (the files come home when ``launch`` returns).
+
+Decision: the Fabric forms are not public constructors of their own. One name per strategy for both APIs is
+what users asked for (the issue), and the Trainer strategies already check every argument on the driver.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, ClassVar
+
+from typing_extensions import override
+
+from ray_lightning import _lightning, namespaces, runtime
+from ray_lightning.environment import RayEnvironment
+from ray_lightning.home import files
+from ray_lightning.namespaces import Namespace
+from ray_lightning.runtime import WorkerContext
+from ray_lightning.strategies.ddp import RayStrategy
+from ray_lightning.strategies.fsdp import RayFSDPStrategy, mesh_layout
+from ray_lightning.strategies.workers import RayWorkersMixin
+
+
+class RayFabricWorkers(_lightning.fabric.FabricStrategyHooks, RayWorkersMixin):
+    """What every Fabric strategy on Ray actors shares; see the module docstring.
+
+    Args:
+        source: the Trainer strategy whose workers it runs on (``RayStrategy(num_workers=4)``); None builds one
+            from ``strategy_kwargs`` (what ``Fabric(strategy="ray")`` does, with the defaults).
+    """
+
+    lightning_fabric = True
+    # The Trainer strategy this is the Fabric form of.
+    trainer_strategy: ClassVar[type]
+
+    def __init__(self, source: Any = None, /, **strategy_kwargs: Any) -> None:
+        if source is None:
+            source = namespaces.member(self.trainer_strategy, self._namespace())(**strategy_kwargs)
+        elif strategy_kwargs:
+            raise TypeError(f"{type(self).__name__}(source, ...) takes no other arguments: {sorted(strategy_kwargs)}")
+        self.source = source
+        self.registry_name = source.registry_name
+        self.init_arguments = dict(source.init_arguments)
+        self.use_workers(source.workers)
+        self.restarts = source.restarts  # the user's strategy object shows this one's restarts
+        self.driver_cwd: str | None = None
+        self.loggers: list[Any] = []
+        self._staging: str | None = None
+        self._cwd_before: str | None = None
+        self.fabric_init(source)
+        self.cluster_environment = namespaces.member(RayEnvironment, self._namespace())(self.num_workers)
+
+    def _namespace(self) -> Namespace:
+        return type(self).namespace or namespaces.primary()
+
+    def fabric_init(self, source: Any) -> None:
+        """Fabric's strategy ``__init__``, with the arguments ``source`` (the Trainer strategy) holds."""
+        raise NotImplementedError
+
+    def fabric_base(self) -> type:
+        """Fabric's strategy class this one extends."""
+        return self.namespace.fabric(self.lightning_base)
+
+    @override
+    def make_launcher(self) -> Any:
+        from ray_lightning.fabric.launcher import RayFabricLauncher
+
+        return RayFabricLauncher(self)
+
+    @override
+    def adapt_precision_to_device(self) -> None:
+        plugin = self.precision
+        mixed_precision = self.namespace.fabric("plugins.precision.MixedPrecision")
+        if type(plugin) is mixed_precision and plugin.device != self.root_device.type:
+            self.precision = mixed_precision(plugin.precision, self.root_device.type)
+
+    # -- in a worker --------------------------------------------------------------------------------------
+
+    @override
+    def attach_worker(self, context: WorkerContext, rendezvous_store: Any, staging: str | None = None) -> None:
+        """Also: run in the driver's working directory where this node has it; write under ``staging`` if given."""
+        super().attach_worker(context, rendezvous_store)
+        self._staging = staging
+        self._cwd_before = os.getcwd()
+        if self.driver_cwd is not None and os.path.isdir(self.driver_cwd):
+            os.chdir(self.driver_cwd)
+        if staging is not None and context.rank.global_rank == 0:
+            files.map_logger_paths(self.loggers, lambda p: files.to_staged(p, staging) if os.path.isabs(p) else p)
+
+    @override
+    def detach_worker(self) -> None:
+        super().detach_worker()
+        if self._cwd_before is not None and os.path.isdir(self._cwd_before):
+            os.chdir(self._cwd_before)
+        self._staging = self._cwd_before = None
+
+    def _written_path(self, path: Any) -> Any:
+        """Where this worker writes ``path``: the driver's path, or its place under the staging directory."""
+        if not isinstance(path, (str, os.PathLike)) or not _lightning.is_local_file_protocol(path):
+            return path
+        absolute = os.path.abspath(os.path.expanduser(os.fspath(path)))
+        return files.to_staged(absolute, self._staging) if self._staging is not None else absolute
+
+    def _read_path(self, path: Any) -> Any:
+        """Where this worker reads ``path``: what it wrote under its staging directory in this call, else the path."""
+        written = self._written_path(path)
+        return written if self._staging is not None and os.path.exists(written) else path
+
+    @override
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None
+    ) -> None:
+        runtime.mark_progress("fabric.save", str(path))
+        if self._staging is not None:
+            os.makedirs(os.path.dirname(self._written_path(path)), exist_ok=True)
+        self.fabric_base().save_checkpoint(self, self._written_path(path), state, storage_options, filter)
+
+    @override
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any) -> Any:
+        runtime.mark_progress("fabric.load", str(path))
+        return self.fabric_base().load_checkpoint(self, self._read_path(path), state, strict, **kwargs)
+
+    # Progress for the hang watchdog: a rank that makes none for progress_timeout_s is stuck.
+
+    @override
+    def backward(self, tensor: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+        runtime.mark_progress("training", "backward")
+        self.fabric_base().backward(self, tensor, module, *args, **kwargs)
+
+    @override
+    def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        runtime.mark_progress("training", "all_reduce")
+        return self.fabric_base().all_reduce(self, tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        runtime.mark_progress("training", "all_gather")
+        return self.fabric_base().all_gather(self, tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        runtime.mark_progress("training", "barrier")
+        self.fabric_base().barrier(self, *args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        runtime.mark_progress("training", "broadcast")
+        return self.fabric_base().broadcast(self, obj, src)
+
+
+class RayFabricDDPStrategy(RayFabricWorkers):
+    """Fabric's ``DDPStrategy`` on Ray actors: what ``Fabric(strategy=RayStrategy(...))`` uses."""
+
+    lightning_base = "strategies.DDPStrategy"
+    trainer_strategy = RayStrategy
+
+    @override
+    def fabric_init(self, source: Any) -> None:
+        self.fabric_base().__init__(
+            self,
+            process_group_backend=source.requested_process_group_backend,
+            timeout=source.ddp_timeout,
+            start_method="popen",
+            **_lightning.fabric.ddp_kwargs(source),
+        )
+
+
+class RayFabricFSDPStrategy(RayFabricWorkers):
+    """Fabric's ``ModelParallelStrategy``, sharding as ``RayFSDPStrategy`` does: ``Fabric(strategy=RayFSDPStrategy())``.
+
+    ``fabric.setup(model)`` shards the model (FSDP2, ``auto_wrap_policy`` and the other options of the
+    ``RayFSDPStrategy``); ``state_dict_type="sharded"`` makes ``fabric.save`` write a
+    ``torch.distributed.checkpoint`` directory, which ``fabric.load`` reads on any number of workers.
+    """
+
+    lightning_base = "strategies.ModelParallelStrategy"
+    trainer_strategy = RayFSDPStrategy
+    every_rank_writes = True  # a sharded checkpoint: each rank writes its part
+
+    @override
+    def fabric_init(self, source: Any) -> None:
+        self.fabric_base().__init__(
+            self,
+            parallelize_fn=functools.partial(_shard, source),
+            data_parallel_size=self.num_workers,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=source.state_dict_type == "sharded",
+            process_group_backend=source.requested_process_group_backend,
+            timeout=source.ddp_timeout,
+        )
+
+    @override
+    def setup_environment(self) -> None:
+        # Fabric's mesh is (data parallel, tensor parallel); FSDP2 shards over a mesh of its own layout.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.accelerator.setup_device(self.root_device)
+        self.join_process_group()
+        source = self.source
+        shape, names = mesh_layout(source.sharding_strategy, self.world_size, self.num_processes, self.num_nodes)
+        _lightning.sharded.set_strategy_mesh(self, init_device_mesh(self.root_device.type, shape, mesh_dim_names=names))
+        runtime.mark_progress("training", "the function launched")
+
+
+def _shard(source: Any, module: Any, mesh: Any) -> Any:
+    return source.shard(module, mesh)
+
+
+# The Trainer strategy -> its Fabric form. Horovod has no Fabric form (Fabric has no Horovod strategy).
+FABRIC_FORMS: dict[type, type] = {RayStrategy: RayFabricDDPStrategy, RayFSDPStrategy: RayFabricFSDPStrategy}
+
+
+def for_fabric(strategy: Any, accelerator: Any, ns: Namespace) -> tuple[Any, Any]:
+    """What Fabric's connector gets instead of ``strategy`` (and ``accelerator``): see the module docstring."""
+    if isinstance(strategy, str):
+        strategy = _registered(strategy, ns) or strategy
+    if isinstance(strategy, RayFabricWorkers):
+        strategy = strategy if type(strategy).namespace == ns else _form(strategy.source, ns)
+    elif isinstance(strategy, RayWorkersMixin):
+        strategy = _form(strategy, ns)
+    else:
+        return strategy, accelerator
+    # The workers' reserved GPUs decide the device (a warning where accelerator= disagrees), not the driver's.
+    strategy.accelerator = strategy.prepare_for_trainer(accelerator)
+    return strategy, "auto"
+
+
+def _form(source: Any, ns: Namespace) -> Any:
+    public = type(source).public if type(source).namespace is not None else type(source)
+    form = next((f for t, f in FABRIC_FORMS.items() if issubclass(public, t)), None)
+    if form is None:
+        names = ", ".join(t.__name__ for t in FABRIC_FORMS)
+        raise TypeError(
+            f"Fabric(strategy={public.__name__}(...)): Fabric on Ray runs {names}; "
+            f"{public.__name__} has no Fabric form."
+        )
+    return namespaces.member(form, ns)(namespaces.rebuild_for(source, ns))
+
+
+def _registered(name: str, ns: Namespace) -> Any:
+    """The Fabric strategy registered as ``name``, built now, if it is ours (built before Fabric chooses devices)."""
+    registry = ns.fabric("strategies.STRATEGY_REGISTRY")
+    name = name.lower()
+    cls = registry[name]["strategy"] if name in registry else None
+    return registry.get(name) if isinstance(cls, type) and issubclass(cls, RayFabricWorkers) else None
+
+
+def register() -> None:
+    """Fabric's registry names, as the Trainer's: ``Fabric(strategy="ray")``, ``Fabric(strategy="fsdp_ray")``."""
+    for ns in namespaces.installed():
+        registry = ns.fabric("strategies.STRATEGY_REGISTRY")
+        for trainer_strategy, form in FABRIC_FORMS.items():
+            if trainer_strategy.registry_name not in registry:
+                registry.register(
+                    trainer_strategy.registry_name,
+                    namespaces.member(form, ns),
+                    description=f"{trainer_strategy.__name__} for Fabric (ray_lightning)",
+                )
