@@ -94,6 +94,12 @@ class RayFabricWorkers(_lightning.fabric.FabricStrategyHooks, RayWorkersMixin):
     # -- in a worker --------------------------------------------------------------------------------------
 
     @override
+    def join_process_group(self) -> None:
+        super().join_process_group()
+        # From here on the watchdog bounds the time between two steps of progress (progress_timeout_s).
+        runtime.mark_progress("training", "the launched function")
+
+    @override
     def attach_worker(self, context: WorkerContext, rendezvous_store: Any, staging: str | None = None) -> None:
         """Also: run in the driver's working directory where this node has it; write under ``staging`` if given."""
         super().attach_worker(context, rendezvous_store)
@@ -103,6 +109,12 @@ class RayFabricWorkers(_lightning.fabric.FabricStrategyHooks, RayWorkersMixin):
             os.chdir(self.driver_cwd)
         if staging is not None and context.rank.global_rank == 0:
             files.map_logger_paths(self.loggers, lambda p: files.to_staged(p, staging) if os.path.isabs(p) else p)
+
+    def function_returned(self) -> None:
+        """In a worker, after the launched function returned: rank 0's loggers write what they hold (Fabric's
+        CSVLogger keeps up to 100 steps in memory; the worker process outlives the call), as a Trainer's fit ends."""
+        for logger in self.loggers:
+            logger.finalize("success")
 
     @override
     def detach_worker(self) -> None:
@@ -216,7 +228,6 @@ class RayFabricFSDPStrategy(RayFabricWorkers):
         source = self.source
         shape, names = mesh_layout(source.sharding_strategy, self.world_size, self.num_processes, self.num_nodes)
         _lightning.sharded.set_strategy_mesh(self, init_device_mesh(self.root_device.type, shape, mesh_dim_names=names))
-        runtime.mark_progress("training", "the function launched")
 
 
 def _shard(source: Any, module: Any, mesh: Any) -> Any:

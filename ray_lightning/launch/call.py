@@ -151,6 +151,7 @@ class WorkerCall:
         with readable_output(rank_zero, progress_to_driver=False):
             results = function(*args, **kwargs)
         runtime.mark_progress("collecting the results")
+        strategy.function_returned()
         sent = files.collect(staging) if staging is not None else {}
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
