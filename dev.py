@@ -11,8 +11,9 @@
     python3 dev.py gpu       # on a machine with CUDA: every GPU test and the GPU benchmarks, one report
 
 Extra arguments go to the example script or to pytest (`python3 dev.py example --horovod`);
-`python3 dev.py example --tune` runs the Ray Tune example (examples/tune_digits.py) instead, and
-`python3 dev.py example --data` the Ray Data example (examples/ray_data_digits.py).
+`python3 dev.py example --tune` runs the Ray Tune example (examples/tune_digits.py) instead,
+`python3 dev.py example --data` the Ray Data example (examples/ray_data_digits.py), and
+`python3 dev.py example --fabric` the Lightning Fabric example (examples/fabric_digits.py).
 
 Each creates `.venv/` in the checkout on first use, installs what it needs into it, and reuses it
 afterwards. torch is installed as the CPU build unless an NVIDIA GPU is visible (`nvidia-smi`).
@@ -31,7 +32,9 @@ installs and no downloads (a GPU machine may have no package index), and reports
 `bench sharded` and writes one report, benchmarks/results/gpu-<UTC time>.md (`--out`). Without CUDA it says so
 and exits 1 at once.
 
-`test` also installs DeepSpeed (built against the venv's torch, `ensure_deepspeed`).
+`test` also installs DeepSpeed (built against the venv's torch, `ensure_deepspeed`), and LitGPT for
+tests/test_fabric_litgpt.py (`ensure_litgpt`: `pip install --no-deps litgpt==0.5.13 safetensors==0.8.0`; LitGPT's
+own pins would downgrade jsonargparse, so it cannot be in setup.py's test extra).
 
 `test` (and `example --horovod`) also installs Horovod (for HorovodRayStrategy). Horovod 0.28.1,
 its last release, does not build against torch >= 2.1 as released (it compiles as C++14; torch's
@@ -58,6 +61,8 @@ PYTHON = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 TORCH_VERSION = "2.13.0"
 HOROVOD_VERSION = "0.28.1"
 DEEPSPEED_VERSION = "0.19.8"
+LITGPT_VERSION = "0.5.13"
+SAFETENSORS_VERSION = "0.8.0"  # what LitGPT needs beyond the test extra
 WHEEL_CACHE = Path(os.environ.get("RAY_LIGHTNING_WHEEL_CACHE", Path.home() / ".cache" / "ray_lightning" / "wheels"))
 # `dev.py bench NAME` runs benchmarks/NAME.py instead of the training-speed benchmark (benchmarks/run.py).
 BENCHMARKS = ("data", "fabric", "recovery", "sharded", "step", "storage")
@@ -113,8 +118,9 @@ def ensure_venv() -> None:
     if probe.returncode != 0:
         _install_torch()
     _pip("-e", ".[test]")
-    for old in [*VENV.glob(".installed-*"), *VENV.glob(".horovod-*"), *VENV.glob(".deepspeed-*")]:
-        old.unlink()
+    for pattern in (".installed-*", ".horovod-*", ".deepspeed-*", ".litgpt-*"):
+        for old in VENV.glob(pattern):
+            old.unlink()
     stamp.touch()
 
 
@@ -205,6 +211,17 @@ def ensure_deepspeed() -> None:
     stamp.touch()
 
 
+def ensure_litgpt() -> None:
+    """LitGPT (a real model for tests/test_fabric_litgpt.py), without its dependencies: its pins would downgrade
+    jsonargparse below the test extra's. What it needs beyond the test extra is safetensors."""
+    stamp = VENV / f".litgpt-{LITGPT_VERSION}"
+    if stamp.exists():
+        return
+    _pip("--no-deps", f"litgpt=={LITGPT_VERSION}", f"safetensors=={SAFETENSORS_VERSION}")
+    _venv_output("from litgpt.model import GPT, Block; from litgpt.config import Config")
+    stamp.touch()
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("example", "test", "bench", "matrix", "gpu"):
         print(__doc__)
@@ -222,11 +239,14 @@ def main(argv: list[str]) -> int:
         ensure_horovod()
     if argv[0] == "test":
         ensure_deepspeed()
+        ensure_litgpt()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if argv[0] == "example" and "--tune" in argv:
         cmd = [str(PYTHON), "examples/tune_digits.py", *(a for a in argv[1:] if a != "--tune")]
     elif argv[0] == "example" and "--data" in argv:
         cmd = [str(PYTHON), "examples/ray_data_digits.py", *(a for a in argv[1:] if a != "--data")]
+    elif argv[0] == "example" and "--fabric" in argv:
+        cmd = [str(PYTHON), "examples/fabric_digits.py", *(a for a in argv[1:] if a != "--fabric")]
     elif argv[0] == "example":
         cmd = [str(PYTHON), "examples/train_digits.py", *argv[1:]]
     elif argv[0] == "bench" and argv[1:2] and argv[1] in BENCHMARKS:

@@ -54,6 +54,8 @@ setup(
             # storage_path's tests: a real S3-compatible server (moto's server mode) and fsspec's S3 filesystem.
             "moto[server]>=5.1",
             "s3fs>=2024.6",
+            # Not here: LitGPT (tests/test_fabric_litgpt.py), whose pins would downgrade jsonargparse; dev.py's
+            # ensure_litgpt installs it with --no-deps.
         ],
     },
     classifiers=[
