@@ -3,6 +3,7 @@
     python tests/ray_client_driver.py ray://HOST:PORT RUNS.json
 
 Connects once, then runs each fit RUNS.json lists (``{"workdir", "summary", "resources", "relative"}``),
+and a Fabric launch after it,
 one after another as a user's session would: from ``workdir`` as its working directory, it trains on
 2 Ray workers (each reserving ``resources``, which picks the node they run on) with a
 ModelCheckpoint, a CSVLogger and a TensorBoardLogger whose save_dir is ``logs/`` in that working
@@ -118,6 +119,35 @@ def train(save_dir: str, resources: dict[str, float]) -> dict:
     return summary
 
 
+def fabric_loop(fabric, lr: float) -> dict:
+    """A Fabric user's loop, defined in the driver script (shipped by value); saves with a relative path."""
+    fabric.seed_everything(0)
+    model = nn.Linear(1, 1)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=lr))
+    x = torch.rand(16, 1, generator=torch.Generator().manual_seed(0))
+    for _ in range(4):
+        fabric.backward(F.mse_loss(model(x), 3 * x - 1))
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.save("fabric/state.ckpt", {"model": model, "step": 4})
+    return {"world_size": fabric.world_size, "node": ray.get_runtime_context().get_node_id()}
+
+
+def train_fabric(resources: dict[str, float]) -> dict:
+    """``fabric.launch`` under Ray Client, with the other Lightning package's Fabric (lightning_fabric)."""
+    import lightning_fabric
+
+    fabric = lightning_fabric.Fabric(strategy=RayStrategy(num_workers=2, resources_per_worker=resources))
+    result = fabric.launch(fabric_loop, 0.1)
+    path = os.path.abspath("fabric/state.ckpt")
+    return {
+        "result": result,
+        "checkpoint_step": torch.load(path, weights_only=False)["step"] if os.path.isfile(path) else None,
+        "transferred_files": list(fabric.strategy.launcher.transferred_files),
+        "checkpoint": path,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("address")
@@ -138,6 +168,10 @@ def main() -> None:
             summary = train("logs" if run["relative"] else os.path.abspath("logs"), run["resources"])
         except BaseException:  # noqa: BLE001 - as above
             summary = {"error": traceback.format_exc(), "stage": "fit"}
+        try:
+            summary["fabric"] = train_fabric(run["resources"])
+        except BaseException:  # noqa: BLE001 - as above
+            summary["fabric"] = {"error": traceback.format_exc()}
         _write(run["summary"], summary)
     ray.shutdown()
 

@@ -253,6 +253,17 @@ def _check_client_fit(report: dict, workdir: Path) -> None:
 
 
 @pytest.mark.timeout(600)
+def test_ray_client_fabric_launch_returns_rank_zeros_value_and_its_files(client_reports):
+    """``fabric.launch`` from a Ray Client driver, workers on the worker node: rank 0's value and its save came home."""
+    report, workdir = _client_run(client_reports, "absolute")
+    fabric = report["fabric"]
+    assert "error" not in fabric, fabric.get("error")
+    assert fabric["result"]["world_size"] == 2
+    assert fabric["checkpoint"] == str(workdir / "fabric" / "state.ckpt") and fabric["checkpoint_step"] == 4
+    assert fabric["checkpoint"] in fabric["transferred_files"], "sent home from the worker node"
+
+
+@pytest.mark.timeout(600)
 def test_ray_client_fit_brings_back_weights_metrics_checkpoints_and_logs(client_reports):
     """Loggers' save_dir an absolute path in the driver's working directory; workers on the worker node."""
     report, workdir = _client_run(client_reports, "absolute")

@@ -74,9 +74,9 @@ def _stream_text(cell: nbformat.NotebookNode) -> str:
 
 @pytest.fixture(scope="module")
 def own_notebook(tmp_path_factory) -> nbformat.NotebookNode:
-    """CELLS, then SHARDED_CELLS, run in one kernel: a kernel and its local Ray start once, as in a user's
-    session that goes on from one model to the next; each test checks the output of its own cells."""
-    sources = CELLS + SHARDED_CELLS[1:]  # both begin with the same sys.path cell
+    """CELLS, SHARDED_CELLS, then FABRIC_CELLS, run in one kernel: a kernel and its local Ray start once, as in a
+    user's session that goes on from one model to the next; each test checks the output of its own cells."""
+    sources = CELLS + SHARDED_CELLS[1:] + FABRIC_CELLS  # the first two begin with the same sys.path cell
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in sources])
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     _execute(notebook, tmp_path_factory.mktemp("notebook"))
@@ -185,8 +185,40 @@ for name, (strategy, cls) in strategies.items():
 
 @pytest.mark.timeout(900)
 def test_sharded_strategies_train_in_a_jupyter_kernel(own_notebook):
-    text = _stream_text(own_notebook.cells[-1])
+    text = _stream_text(own_notebook.cells[len(CELLS) + len(SHARDED_CELLS) - 2])
     # The weights came home as plain tensors into the notebook's own module.
     assert "TRAINED fsdp Parameter" in text and "TRAINED model_parallel Parameter" in text, text
     if importlib.util.find_spec("deepspeed") is not None:
         assert "TRAINED deepspeed Parameter" in text, text
+
+
+# Fabric in the same kernel: a loop defined in the notebook, launched twice (the second on the warm workers).
+FABRIC_CELLS = [
+    """
+import os
+import lightning as L
+from ray_lightning import RayStrategy
+
+def notebook_loop(fabric, steps):   # defined in the notebook: shipped to the workers by value
+    fabric.seed_everything(0)
+    model = nn.Linear(4, 1)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    data = fabric.setup_dataloaders(loader)
+    for _, (xb, yb) in zip(range(steps), data):
+        loss = F.mse_loss(model(xb), yb)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"loss": fabric.all_reduce(loss.detach()).item(), "pid": os.getpid(), "world": fabric.world_size}
+
+runs = [L.Fabric(strategy=RayStrategy(num_workers=2)).launch(notebook_loop, steps) for steps in (1, 4)]
+assert runs[0]["pid"] == runs[1]["pid"], runs   # the second launch ran on the workers the first left waiting
+assert runs[1]["loss"] < runs[0]["loss"] and runs[1]["world"] == 2, runs
+print("FABRIC", runs)
+""",
+]
+
+
+@pytest.mark.timeout(900)
+def test_fabric_launches_twice_in_a_jupyter_kernel(own_notebook):
+    assert "FABRIC [" in _stream_text(own_notebook.cells[-1])
