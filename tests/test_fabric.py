@@ -100,10 +100,10 @@ def use_everything(fabric, out_dir: str) -> dict:
     }
 
 
-def _csv_values(root) -> list[str]:
+def _csv_values(root, key: str = "value") -> list[str]:
     (path,) = root.rglob("metrics.csv")
     with open(path, newline="") as f:
-        return [row["value"] for row in csv.DictReader(f)]
+        return [row[key] for row in csv.DictReader(f)]
 
 
 def test_everything_fabric_offers_works_in_the_launched_function_of_both_packages(tmp_path):
@@ -184,6 +184,7 @@ def resumes_from_its_checkpoint(fabric, marker: str) -> dict:
         fabric.backward(nn.functional.mse_loss(model(x), y))
         optimizer.step()
         optimizer.zero_grad()
+        fabric.log("step_logged", float(state["step"]), step=state["step"])
         state["step"] += 1
         fabric.save("last.ckpt", state)
     return {"started_at": started_at, "step": state["step"]}
@@ -191,11 +192,14 @@ def resumes_from_its_checkpoint(fabric, marker: str) -> dict:
 
 def test_a_killed_worker_reruns_the_function_which_continues_from_its_last_save(tmp_path):
     strategy = RayStrategy(num_workers=2, max_failures=1, keep_workers_alive_s=0)
-    result = L.Fabric(strategy=strategy).launch(resumes_from_its_checkpoint, str(tmp_path / "killed"))
+    logger = CSVLogger("logs", name="run", flush_logs_every_n_steps=1)
+    result = L.Fabric(strategy=strategy, loggers=logger).launch(resumes_from_its_checkpoint, str(tmp_path / "killed"))
     assert (tmp_path / "killed").exists(), "the worker was never killed"
     (restart,) = strategy.restarts
     assert restart.rank == 1 and restart.reason == "worker died"
     assert result == {"started_at": 3, "step": 6}
+    # The rows the first run wrote are kept, the rerun's follow them: every step once.
+    assert _csv_values(tmp_path / "logs", "step_logged") == [f"{float(step)}" for step in range(6)]
 
 
 def train_sharded(fabric, save_to: str | None, load_from: str | None) -> dict:

@@ -15,7 +15,7 @@ from typing import Any
 from typing_extensions import override
 
 from ray_lightning import _lightning
-from ray_lightning.home import files
+from ray_lightning.home import loggers
 from ray_lightning.launch.launcher import RayLauncher
 
 
@@ -35,5 +35,5 @@ class RayFabricLauncher(RayLauncher):
         strategy = self._strategy
         strategy.driver_cwd = os.getcwd()
         strategy.loggers = list(getattr(fabric, "loggers", []))
-        files.map_logger_paths(strategy.loggers, lambda p: os.path.abspath(os.path.expanduser(p)))
+        loggers.prepare_fabric_on_driver(strategy.loggers)
         return super().launch(function, *args, trainer=None, **kwargs)

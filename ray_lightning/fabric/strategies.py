@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from ray_lightning import _lightning, namespaces, runtime
 from ray_lightning.environment import RayEnvironment
-from ray_lightning.home import files
+from ray_lightning.home import files, loggers
 from ray_lightning.namespaces import Namespace
 from ray_lightning.runtime import WorkerContext
 from ray_lightning.strategies.ddp import RayStrategy
@@ -107,8 +107,12 @@ class RayFabricWorkers(_lightning.fabric.FabricStrategyHooks, RayWorkersMixin):
         self._cwd_before = os.getcwd()
         if self.driver_cwd is not None and os.path.isdir(self.driver_cwd):
             os.chdir(self.driver_cwd)
-        if staging is not None and context.rank.global_rank == 0:
+        if context.rank.global_rank != 0:
+            return
+        if staging is not None:
             files.map_logger_paths(self.loggers, lambda p: files.to_staged(p, staging) if os.path.isabs(p) else p)
+        if context.recovery is not None and context.recovery.attempt > 0:
+            loggers.continue_fabric_logs(self.loggers)
 
     def function_returned(self) -> None:
         """In a worker, after the launched function returned: rank 0's loggers write what they hold (Fabric's

@@ -213,10 +213,10 @@ class Recovery:
         self.restarts.append(restart)
         self._history.append(restart)
         self._failures.append(str(failure.error))
-        resumed = f"epoch {restart.epoch} after step {restart.global_step}" if latest else "the start of the call"
+        resumed = f"from epoch {restart.epoch} after step {restart.global_step}" if latest else "from the start"
         log.warning(
-            "ray_lightning: restarting the workers (%d of max_failures=%d) after rank %d on node %s: %s (%s). "
-            "Resuming in %s.",
+            "ray_lightning: restarting the workers (%d of max_failures=%d) after rank %d on node %s: %s (%s); "
+            "running the call again %s.",
             restart.number,
             self.settings.max_failures,
             restart.rank,

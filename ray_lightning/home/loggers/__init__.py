@@ -132,6 +132,22 @@ def continue_logs(trainer: pl.Trainer, before_step: int | None) -> None:
             lightning.continue_csv_log(logger, before_step)
 
 
+def prepare_fabric_on_driver(fabric_loggers: list[Any]) -> None:
+    """On the driver, before ``fabric.launch``: Fabric's loggers' directories absolute (the driver's meaning of
+    ``"logs"``) and their versions fixed, so that a rerun after a restart writes into the same version."""
+    files.map_logger_paths(fabric_loggers, lambda p: os.path.abspath(os.path.expanduser(p)))
+    for logger in fabric_loggers:
+        _ = logger.version
+
+
+def continue_fabric_logs(fabric_loggers: list[Any]) -> None:
+    """In rank 0 of a function Fabric launched, run again after a restart: keep the CSV rows the first run wrote
+    (the function continues from what it loads, and may log its last steps again)."""
+    for logger in fabric_loggers:
+        if isinstance(logger, namespaces.every("loggers.CSVLogger", fabric=True)):
+            lightning.continue_csv_log(logger, None)
+
+
 def states_for_driver(trainer: pl.Trainer, staging: str | None) -> list[dict[str, Any]]:
     """In rank 0: what each logger's copy on the driver takes over (checkpoints logged as artifacts)."""
     states = [lightning.state_for_driver(logger) for logger in trainer.loggers]
