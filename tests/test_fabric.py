@@ -7,6 +7,7 @@ A Fabric user writes the loop; these functions are such loops, module-level so t
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
 import signal
 import time
@@ -15,14 +16,23 @@ import warnings
 import lightning as L
 import lightning_fabric
 import pytest
+import pytorch_lightning as pl
 import torch
 from lightning.fabric.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ray_lightning import HorovodRayStrategy, RayFSDPStrategy, RayStrategy, RayWorkerError
+from ray_lightning import (
+    HorovodRayStrategy,
+    RayDeepSpeedStrategy,
+    RayFSDPStrategy,
+    RayModelParallelStrategy,
+    RayStrategy,
+    RayWorkerError,
+)
 from ray_lightning.errors import WorkerHangError
 from tests.conftest import alive_worker_actors, connected_cluster, session_pythonpath, wait_for
+from tests.models import BoringModel
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -240,6 +250,63 @@ def test_fsdp2_saves_a_sharded_state_that_loads_on_another_number_of_workers(tmp
     # Two more steps from the loaded state (weights and Adam's moments) differ from two steps from the start.
     assert not torch.allclose(resumed["state"]["0.weight"], straight["state"]["0.weight"])
     assert not torch.allclose(resumed["state"]["0.weight"], first["state"]["0.weight"])
+
+
+def shard_linears(module: nn.Module, mesh) -> nn.Module:
+    """A Fabric user's ``parallelize_fn``: FSDP2 on each Linear and the whole, over the data-parallel dimension."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in module:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh["data_parallel"])
+    return fully_shard(module, mesh=mesh["data_parallel"])
+
+
+def trains_saves_loads(fabric, path: str) -> dict:
+    fabric.seed_everything(0)
+    model = _net()
+    if isinstance(fabric.strategy, L.fabric.strategies.DeepSpeedStrategy):
+        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    else:  # FSDP2: the optimizer is made over the sharded parameters
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05))
+    x, y = _data(8).tensors
+    losses = []
+    for _ in range(3):
+        loss = nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(path, state)
+    return {"losses": losses, "step": state["step"], "strategy": type(fabric.strategy).__name__}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: RayModelParallelStrategy(num_workers=2, parallelize_fn=shard_linears), id="model_par"),
+        pytest.param(lambda: RayDeepSpeedStrategy(num_workers=2, stage=3), id="deepspeed", marks=pytest.mark.skipif(
+            importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")),
+    ],
+)  # fmt: skip
+def test_model_parallel_and_deepspeed_run_a_fabric_loop_and_its_checkpoints(tmp_path, make):
+    result = L.Fabric(strategy=make()).launch(trains_saves_loads, "ckpt")
+    assert result["losses"][-1] < result["losses"][0], result
+    assert result["step"] == 3, "fabric.load restored the saved state"
+    # A checkpoint directory with every rank's part (torch.distributed.checkpoint's, DeepSpeed's).
+    parts = {p.name for p in (tmp_path / "ckpt").rglob("*") if p.is_file()}
+    assert any("0" in name for name in parts) and len(parts) >= 2, parts
+
+
+def test_model_parallel_without_parallelize_fn_is_refused_for_fabric_and_with_it_for_the_trainer():
+    with pytest.raises(TypeError, match="needs parallelize_fn=fn"):
+        L.Fabric(strategy=RayModelParallelStrategy(num_workers=2))
+    trainer = pl.Trainer(strategy=RayModelParallelStrategy(num_workers=2, parallelize_fn=shard_linears))
+    with pytest.raises(TypeError, match="parallelize_fn=...\\) is for Lightning Fabric"):
+        trainer.fit(BoringModel())
 
 
 def writes_on_rank_zero(fabric) -> dict:

@@ -11,6 +11,8 @@ that brings the workers' accelerator, so, as for the Trainer (:mod:`.connector`)
   ``_set_world_ranks``), forwarded to the public names the Trainer strategies already use.
 * ``_do_nothing``: what ``fabric.launch()`` runs without a function (refused on Ray actors).
 * DDP's ``_ddp_kwargs``: the ``DistributedDataParallel`` arguments a Trainer strategy keeps.
+* DeepSpeed's ``_format_config``/``_config_initialized``: the config completed after meeting, which Fabric's
+  ``_setup_distributed`` (replaced by ours) does.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ CONNECTOR = "connector._Connector"
 WRAPPED = "_check_config_and_set_final_flags"
 DO_NOTHING = "fabric._do_nothing"
 DDP_KWARGS = "_ddp_kwargs"
+DEEPSPEED_FORMAT_CONFIG = "_format_config"
+DEEPSPEED_CONFIG_DONE = "_config_initialized"
 # (Fabric strategy, flag) -> (strategy, accelerator): installed by ray_lightning.fabric.
 Converter = Callable[[Any, Any, Namespace], tuple[Any, Any]]
 _installed: set[Namespace] = set()
@@ -50,6 +54,13 @@ class FabricStrategyHooks(LightningStrategyHooks):
 def ddp_kwargs(strategy: Any) -> dict[str, Any]:
     """The ``DistributedDataParallel`` arguments a Lightning ``DDPStrategy`` (Trainer's or Fabric's) keeps."""
     return dict(getattr(strategy, DDP_KWARGS, None) or {})
+
+
+def format_deepspeed_config(strategy: Any) -> None:
+    """What Fabric's ``DeepSpeedStrategy._setup_distributed`` does after meeting: complete its DeepSpeed config once."""
+    if not getattr(strategy, DEEPSPEED_CONFIG_DONE):
+        getattr(strategy, DEEPSPEED_FORMAT_CONFIG)()
+        setattr(strategy, DEEPSPEED_CONFIG_DONE, True)
 
 
 def is_argumentless_launch(function: Any) -> bool:
@@ -91,6 +102,11 @@ def private_names(ns: Namespace) -> list[tuple[str, str, Callable[[], Any]]]:
             f"{fabric}.strategies.ModelParallelStrategy",
             "_setup_distributed",
             lambda: ns.fabric("strategies.ModelParallelStrategy"),
+        ),
+        (
+            f"{fabric}.strategies.DeepSpeedStrategy",
+            DEEPSPEED_FORMAT_CONFIG,
+            lambda: ns.fabric("strategies.DeepSpeedStrategy"),
         ),
     ]
 

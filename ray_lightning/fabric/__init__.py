@@ -23,7 +23,9 @@ from ray_lightning import _lightning
 from ray_lightning.fabric.launcher import RayFabricLauncher
 from ray_lightning.fabric.strategies import (
     RayFabricDDPStrategy,
+    RayFabricDeepSpeedStrategy,
     RayFabricFSDPStrategy,
+    RayFabricModelParallelStrategy,
     RayFabricWorkers,
     for_fabric,
     register,
@@ -36,4 +38,12 @@ def install() -> None:
     register()
 
 
-__all__ = ["RayFabricDDPStrategy", "RayFabricFSDPStrategy", "RayFabricLauncher", "RayFabricWorkers", "install"]
+__all__ = [
+    "RayFabricDDPStrategy",
+    "RayFabricDeepSpeedStrategy",
+    "RayFabricFSDPStrategy",
+    "RayFabricLauncher",
+    "RayFabricModelParallelStrategy",
+    "RayFabricWorkers",
+    "install",
+]

@@ -6,7 +6,10 @@ hands it to :func:`for_fabric`, which returns its Fabric form, built on the same
 
 * :class:`RayFabricDDPStrategy`: Fabric's ``DDPStrategy`` (``RayStrategy``),
 * :class:`RayFabricFSDPStrategy`: Fabric's ``ModelParallelStrategy`` whose ``parallelize_fn`` shards as
-  ``RayFSDPStrategy`` does (FSDP2, its wrap policy and options), over a mesh of every rank.
+  ``RayFSDPStrategy`` does (FSDP2, its wrap policy and options), over a mesh of every rank,
+* :class:`RayFabricModelParallelStrategy`: Fabric's ``ModelParallelStrategy`` with the user's ``parallelize_fn``
+  (``RayModelParallelStrategy(parallelize_fn=...)``),
+* :class:`RayFabricDeepSpeedStrategy`: Fabric's ``DeepSpeedStrategy`` (``RayDeepSpeedStrategy``).
 
 :class:`RayFabricWorkers` is what they share: the Trainer strategies' workers and process group
 (:class:`~ray_lightning.strategies.workers.RayWorkersMixin`), Fabric's private hooks
@@ -23,6 +26,7 @@ what users asked for (the issue), and the Trainer strategies already check every
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import Any, ClassVar
 
@@ -34,7 +38,9 @@ from ray_lightning.home import files, loggers
 from ray_lightning.namespaces import Namespace
 from ray_lightning.runtime import WorkerContext
 from ray_lightning.strategies.ddp import RayStrategy
+from ray_lightning.strategies.deepspeed import RayDeepSpeedStrategy, adopt_process_group, deepspeed_device
 from ray_lightning.strategies.fsdp import RayFSDPStrategy, mesh_layout
+from ray_lightning.strategies.model_parallel import RayModelParallelStrategy, model_parallel_mesh
 from ray_lightning.strategies.workers import RayWorkersMixin
 
 
@@ -238,8 +244,94 @@ def _shard(source: Any, module: Any, mesh: Any) -> Any:
     return source.shard(module, mesh)
 
 
+class RayFabricModelParallelStrategy(RayFabricWorkers):
+    """Fabric's ``ModelParallelStrategy``: ``Fabric(strategy=RayModelParallelStrategy(..., parallelize_fn=fn))``.
+
+    ``fabric.setup(model)`` calls ``fn(model, device_mesh)`` on the ``(data_parallel, tensor_parallel)`` mesh
+    of the strategy's sizes; the data splits over the data-parallel dimension.
+    """
+
+    lightning_base = "strategies.ModelParallelStrategy"
+    trainer_strategy = RayModelParallelStrategy
+    every_rank_writes = True
+
+    @override
+    def fabric_init(self, source: Any) -> None:
+        if source.parallelize_fn is None:
+            raise TypeError(
+                "Fabric(strategy=RayModelParallelStrategy(...)) needs parallelize_fn=fn, the function "
+                "(module, device_mesh) -> module that fabric.setup shards the model with (as for Fabric's "
+                "ModelParallelStrategy). To shard without writing one, use RayFSDPStrategy."
+            )
+        dp, tp = source.mesh_shape
+        self.fabric_base().__init__(
+            self,
+            parallelize_fn=source.parallelize_fn,
+            data_parallel_size=dp,
+            tensor_parallel_size=tp,
+            save_distributed_checkpoint=_lightning.sharded.saves_sharded_checkpoints(source),
+            process_group_backend=source.requested_process_group_backend,
+            timeout=source.ddp_timeout,
+        )
+
+    @override
+    def setup_environment(self) -> None:
+        self.accelerator.setup_device(self.root_device)
+        self.join_process_group()
+        _lightning.sharded.set_strategy_mesh(self, model_parallel_mesh(self, self.source.mesh_shape))
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        mesh = self.device_mesh["data_parallel"]
+        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+
+
+class RayFabricDeepSpeedStrategy(RayFabricWorkers):
+    """Fabric's ``DeepSpeedStrategy`` (ZeRO) on Ray actors: ``Fabric(strategy=RayDeepSpeedStrategy(stage=3))``.
+
+    As for the Trainer: the process group is ours and DeepSpeed adopts it, CPU workers train with DeepSpeed's
+    CPU accelerator, ``fabric.save`` writes DeepSpeed's checkpoint directory (every rank its part), and every
+    launch starts new worker processes.
+    """
+
+    lightning_base = "strategies.DeepSpeedStrategy"
+    trainer_strategy = RayDeepSpeedStrategy
+    every_rank_writes = True
+
+    @override
+    def fabric_init(self, source: Any) -> None:
+        base = self.fabric_base()
+        accepted = set(inspect.signature(base.__init__).parameters) - {"self", *_DEEPSPEED_DECIDED}
+        base.__init__(self, **{k: v for k, v in source.init_arguments.items() if k in accepted})
+
+    @property
+    @override
+    def root_device(self) -> Any:
+        return deepspeed_device(super().root_device, self._worker is not None, self.local_rank)
+
+    @override
+    def setup_environment(self) -> None:
+        # Fabric's refuses every accelerator but its CUDAAccelerator: DDP's sets up the device, then meets.
+        super(self.fabric_base(), self).setup_environment()
+
+    @override
+    def join_process_group(self) -> None:
+        super().join_process_group()
+        adopt_process_group(self)
+        _lightning.fabric.format_deepspeed_config(self)
+
+
+# Arguments of Fabric's DeepSpeedStrategy the Fabric form decides (the rest come from the RayDeepSpeedStrategy).
+_DEEPSPEED_DECIDED = ("accelerator", "parallel_devices", "cluster_environment", "precision")
+
 # The Trainer strategy -> its Fabric form. Horovod has no Fabric form (Fabric has no Horovod strategy).
-FABRIC_FORMS: dict[type, type] = {RayStrategy: RayFabricDDPStrategy, RayFSDPStrategy: RayFabricFSDPStrategy}
+FABRIC_FORMS: dict[type, type] = {
+    RayStrategy: RayFabricDDPStrategy,
+    RayFSDPStrategy: RayFabricFSDPStrategy,
+    RayModelParallelStrategy: RayFabricModelParallelStrategy,
+    RayDeepSpeedStrategy: RayFabricDeepSpeedStrategy,
+}
 
 
 def for_fabric(strategy: Any, accelerator: Any, ns: Namespace) -> tuple[Any, Any]:

@@ -64,6 +64,19 @@ INSTALL_HINT = (
 _RESTORE_FROM_BIT16 = "_restore_from_bit16_weights"
 
 
+def deepspeed_device(device: torch.device, in_worker: bool, local_rank: int) -> torch.device:
+    """The root device of a DeepSpeed rank: on a CPU worker ``cpu:<local rank>``, as DeepSpeed takes the device's
+    index as the worker's device rank (tensors ignore a CPU index)."""
+    return torch.device("cpu", local_rank) if device.type == "cpu" and in_worker else device
+
+
+def adopt_process_group(strategy: Any) -> None:
+    """DeepSpeed adopts the process group ``strategy`` joined (it would otherwise meet at MASTER_ADDR itself)."""
+    import deepspeed
+
+    deepspeed.init_distributed(strategy.worker_process_group_backend(), timeout=strategy.ddp_timeout)
+
+
 def check_deepspeed_installed() -> None:
     """Refuse, before anything starts, a DeepSpeed strategy where DeepSpeed is missing."""
     if importlib.util.find_spec("deepspeed") is None:
@@ -151,11 +164,7 @@ class RayDeepSpeedStrategy(RayWorkersMixin, RankPartsMixin):
     @property
     @override
     def root_device(self) -> torch.device:
-        device = super().root_device
-        if device.type == "cpu" and self._worker is not None:
-            # DeepSpeed takes the device's index as the worker's device rank; tensors ignore a CPU index.
-            return torch.device("cpu", self.local_rank)
-        return device
+        return deepspeed_device(super().root_device, self._worker is not None, self.local_rank)
 
     @override
     def setup_environment(self) -> None:
@@ -165,11 +174,8 @@ class RayDeepSpeedStrategy(RayWorkersMixin, RankPartsMixin):
 
     @override
     def setup_distributed(self) -> None:
-        import deepspeed
-
         self.join_process_group()
-        # DeepSpeed adopts the process group that exists (it would otherwise meet at MASTER_ADDR itself).
-        deepspeed.init_distributed(self.worker_process_group_backend(), timeout=self.ddp_timeout)
+        adopt_process_group(self)
         runtime.mark_progress("setup", "prepare_data, setup hooks, deepspeed.initialize")
 
     @override

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +78,9 @@ class RayModelParallelStrategy(RayWorkersMixin, ShardedWorkersMixin):
         process_group_backend, timeout: as for Lightning's ``ModelParallelStrategy``.
         full_weights_home: bring the trained weights into the driver's module after ``fit`` (gathered on
             rank 0). None (default): when the model takes at most half the driver's free memory.
+        parallelize_fn: for Lightning Fabric (``Fabric(strategy=RayModelParallelStrategy(...))``): the function
+            ``(module, device_mesh) -> module`` that ``fabric.setup`` shards the model with, as for Fabric's
+            ``ModelParallelStrategy``. A Trainer shards in the module's ``configure_model`` instead.
         placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s, progress_timeout_s,
         scale_up_timeout_s, max_failures, recovery_checkpoint_every_n_steps: as for ``RayStrategy``.
 
@@ -104,8 +108,12 @@ class RayModelParallelStrategy(RayWorkersMixin, ShardedWorkersMixin):
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
         full_weights_home: bool | None = None,
+        parallelize_fn: Callable[[Any, Any], Any] | None = None,
     ) -> None:
         require_sharding_torch("RayModelParallelStrategy", self.resources, process_group_backend)
+        if parallelize_fn is not None and not callable(parallelize_fn):
+            raise TypeError(f"parallelize_fn takes a function (module, device_mesh) -> module, got {parallelize_fn!r}.")
+        self.parallelize_fn = parallelize_fn
         dp, tp = mesh_sizes(self.num_workers, data_parallel_size, tensor_parallel_size)
         check_sharding_arguments(self.use_gpu, process_group_backend, timeout, full_weights_home)
         self.full_weights_home = full_weights_home
@@ -120,6 +128,11 @@ class RayModelParallelStrategy(RayWorkersMixin, ShardedWorkersMixin):
 
     @override
     def check_trainer(self, trainer: pl.Trainer) -> None:
+        if self.parallelize_fn is not None:
+            raise TypeError(
+                "RayModelParallelStrategy(parallelize_fn=...) is for Lightning Fabric; a Trainer shards the model in "
+                "the LightningModule's configure_model() on self.device_mesh. Drop parallelize_fn for the Trainer."
+            )
         module = trainer.lightning_module
         if module is not None and not self.namespace.pl("utilities.model_helpers.is_overridden")(
             "configure_model", module
@@ -149,12 +162,16 @@ class RayModelParallelStrategy(RayWorkersMixin, ShardedWorkersMixin):
 
     def build_device_mesh(self) -> None:
         """The ``(data_parallel, tensor_parallel)`` mesh over the process group, for ``self.device_mesh``."""
-        from torch.distributed.device_mesh import init_device_mesh
+        _lightning.sharded.set_device_mesh(self, model_parallel_mesh(self, self.mesh_shape))
 
-        dp, tp = self.mesh_shape
-        _warn_if_group_spans_nodes(self, tp)
-        mesh = init_device_mesh(self.root_device.type, (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
-        _lightning.sharded.set_device_mesh(self, mesh)
+
+def model_parallel_mesh(strategy: Any, mesh_shape: tuple[int, int]) -> Any:
+    """The ``(data_parallel, tensor_parallel)`` device mesh of ``mesh_shape`` over ``strategy``'s process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp, tp = mesh_shape
+    _warn_if_group_spans_nodes(strategy, tp)
+    return init_device_mesh(strategy.root_device.type, (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
 
 
 def _warn_if_group_spans_nodes(strategy: Any, tensor_parallel_size: int) -> None:
