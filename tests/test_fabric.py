@@ -334,6 +334,23 @@ def test_files_rank_zero_writes_on_another_node_come_home(tmp_path):
     assert _csv_values(tmp_path / "logs") == ["2.0"]
 
 
+def saves_relative(fabric) -> str:
+    fabric.save("ckpt/state.ckpt", {"step": 5})
+    fabric.log("value", 3.0, step=0)
+    return str(fabric.load("ckpt/state.ckpt")["step"])
+
+
+def test_with_storage_path_relative_saves_and_logs_go_to_the_runs_folder(tmp_path, bucket):
+    strategy = RayStrategy(num_workers=2, storage_path=f"{bucket.url}/runs", run_name="fabric")
+    fabric = L.Fabric(strategy=strategy, loggers=CSVLogger("logs", name="csv"))
+    assert fabric.launch(saves_relative) == "5", "fabric.load read what fabric.save wrote in the bucket"
+    stored = bucket.files("runs/fabric")
+    assert "runs/fabric/ckpt/state.ckpt" in stored and any(p.endswith("metrics.csv") for p in stored), stored
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "logs").exists(), "nothing written on the driver"
+    with pytest.raises(ValueError, match="cannot write to storage_path"):
+        L.Fabric(strategy=RayFSDPStrategy(num_workers=2, storage_path=f"{bucket.url}/runs"))
+
+
 def reports_to_tune(fabric) -> float:
     return float(fabric.all_reduce(torch.tensor(float(fabric.global_rank + 1)), reduce_op="sum"))
 

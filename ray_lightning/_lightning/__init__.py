@@ -43,6 +43,7 @@ from ray_lightning._lightning.names import (
     load_fit_progress,
     logger_directory_holders,
     output_directories,
+    use_filesystems_of_logger_paths,
     use_filesystems_of_paths,
 )
 from ray_lightning._lightning.strategy import LightningStrategyHooks
@@ -62,6 +63,7 @@ __all__ = [
     "launcher_bases",
     "install",
     "is_local_file_protocol",
+    "use_filesystems_of_logger_paths",
     "use_filesystems_of_paths",
     "is_mock_optimizer",
     "load_fit_progress",

@@ -120,9 +120,14 @@ def use_filesystems_of_paths(trainer: pl.Trainer) -> None:
 
     CSVLogger and TensorBoardLogger pick their fsspec filesystem once, in ``__init__``, from the directory given.
     """
+    use_filesystems_of_logger_paths(trainer.loggers)
+
+
+def use_filesystems_of_logger_paths(loggers: Iterable[Any]) -> None:
+    """After the loggers' (the Trainer's or Fabric's) directories moved: each uses the filesystem of its new one."""
     from fsspec.core import url_to_fs
 
-    for logger in trainer.loggers:
+    for logger in loggers:
         root = getattr(logger, "_root_dir", None)
         if isinstance(root, (str, os.PathLike)) and hasattr(logger, LOGGER_FILESYSTEM):
             setattr(logger, LOGGER_FILESYSTEM, url_to_fs(os.fspath(root))[0])
@@ -206,7 +211,8 @@ def _private_names(ns: Namespace) -> Iterator[PrivateName]:
     yield PrivateName(f"{pl_}.loggers.CSVLogger", "_save_dir", _logger(ns, "CSVLogger"))
     yield PrivateName(f"{pl_}.loggers.TensorBoardLogger", "_root_dir", _logger(ns, "TensorBoardLogger"))
     for kind in ("CSVLogger", "TensorBoardLogger"):
-        yield PrivateName(f"{fabric}.loggers.{kind}", "_root_dir", lambda k=kind: ns.fabric(f"loggers.{k}")(os.devnull))
+        for name in ("_root_dir", LOGGER_FILESYSTEM):
+            yield PrivateName(f"{fabric}.loggers.{kind}", name, lambda k=kind: ns.fabric(f"loggers.{k}")(os.devnull))
     for kind in ("CSVLogger", "TensorBoardLogger"):
         yield PrivateName(f"{pl_}.loggers.{kind}", LOGGER_FILESYSTEM, _logger(ns, kind))
     for name in ("_accelerator", "_launcher", "_lightning_optimizers", "_configure_launcher"):

@@ -2,8 +2,10 @@
 
 It is the Trainer's :class:`~ray_lightning.launch.launcher.RayLauncher` (placement, warm workers, the
 watchdog, restarts, output, errors with rank and traceback) called without a Trainer; before it launches,
-the Fabric strategy learns the driver's working directory (the workers resolve relative paths against it)
-and the Fabric's loggers (rank 0 off this machine writes their directories under its staging directory).
+the Fabric strategy learns the driver's working directory (the workers resolve relative paths against it),
+with ``storage_path`` the run's folder (relative paths of ``fabric.save``/``fabric.load`` and the loggers go
+there), and the Fabric's loggers (rank 0 off this machine writes their directories under its staging
+directory).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 from typing_extensions import override
 
 from ray_lightning import _lightning
-from ray_lightning.home import loggers
+from ray_lightning.home import loggers, storage
 from ray_lightning.launch.launcher import RayLauncher
 
 
@@ -34,6 +36,8 @@ class RayFabricLauncher(RayLauncher):
         fabric = args[0] if args else None
         strategy = self._strategy
         strategy.driver_cwd = os.getcwd()
+        settings = strategy.workers.storage
+        strategy.run_url = storage.join(settings.path, strategy.run_name_now()) if settings.enabled else None
         strategy.loggers = list(getattr(fabric, "loggers", []))
-        loggers.prepare_fabric_on_driver(strategy.loggers)
+        loggers.prepare_fabric_on_driver(strategy.loggers, strategy.run_url)
         return super().launch(function, *args, trainer=None, **kwargs)

@@ -34,7 +34,7 @@ from typing_extensions import override
 
 from ray_lightning import _lightning, namespaces, runtime
 from ray_lightning.environment import RayEnvironment
-from ray_lightning.home import files, loggers
+from ray_lightning.home import files, loggers, storage
 from ray_lightning.namespaces import Namespace
 from ray_lightning.runtime import WorkerContext
 from ray_lightning.strategies.ddp import RayStrategy
@@ -55,6 +55,8 @@ class RayFabricWorkers(_lightning.fabric.FabricStrategyHooks, RayWorkersMixin):
     lightning_fabric = True
     # The Trainer strategy this is the Fabric form of.
     trainer_strategy: ClassVar[type]
+    # fabric.save writes as the user's loop calls it (with storage_path: in the run's folder), not in the background.
+    writes_in_background = False
 
     def __init__(self, source: Any = None, /, **strategy_kwargs: Any) -> None:
         if source is None:
@@ -67,6 +69,7 @@ class RayFabricWorkers(_lightning.fabric.FabricStrategyHooks, RayWorkersMixin):
         self.use_workers(source.workers)
         self.restarts = source.restarts  # the user's strategy object shows this one's restarts
         self.driver_cwd: str | None = None
+        self.run_url: str | None = None  # with storage_path: the run's folder, where relative paths go
         self.loggers: list[Any] = []
         self._staging: str | None = None
         self._cwd_before: str | None = None
@@ -134,24 +137,32 @@ class RayFabricWorkers(_lightning.fabric.FabricStrategyHooks, RayWorkersMixin):
         self._staging = self._cwd_before = None
 
     def _written_path(self, path: Any) -> Any:
-        """Where this worker writes ``path``: the driver's path, or its place under the staging directory."""
+        """Where this worker writes ``path``: with ``storage_path`` a relative path in the run's folder; else the
+        driver's path, or its place under the staging directory."""
         if not isinstance(path, (str, os.PathLike)) or not _lightning.is_local_file_protocol(path):
             return path
-        absolute = os.path.abspath(os.path.expanduser(os.fspath(path)))
+        path = os.path.expanduser(os.fspath(path))
+        if self.run_url is not None and not os.path.isabs(path):
+            return storage.join(self.run_url, path)
+        absolute = os.path.abspath(path)
         return files.to_staged(absolute, self._staging) if self._staging is not None else absolute
 
     def _read_path(self, path: Any) -> Any:
-        """Where this worker reads ``path``: what it wrote under its staging directory in this call, else the path."""
+        """Where this worker reads ``path``: in the run's folder (relative, with ``storage_path``), what it wrote
+        under its staging directory in this call, else the path."""
         written = self._written_path(path)
-        return written if self._staging is not None and os.path.exists(written) else path
+        if self._staging is None:
+            return written
+        return written if os.path.exists(written) else path
 
     @override
     def save_checkpoint(
         self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None
     ) -> None:
         runtime.mark_progress("fabric.save", str(path))
-        if self._staging is not None:
-            os.makedirs(os.path.dirname(self._written_path(path)), exist_ok=True)
+        written = self._written_path(path)
+        if isinstance(written, str) and _lightning.is_local_file_protocol(written):
+            os.makedirs(os.path.dirname(written) or ".", exist_ok=True)
         self.fabric_base().save_checkpoint(self, self._written_path(path), state, storage_options, filter)
 
     @override
@@ -215,6 +226,7 @@ class RayFabricFSDPStrategy(RayFabricWorkers):
     lightning_base = "strategies.ModelParallelStrategy"
     trainer_strategy = RayFSDPStrategy
     every_rank_writes = True  # a sharded checkpoint: each rank writes its part
+    writes_to_urls = False  # Fabric's own saving: torch.save on rank 0, or torch.distributed.checkpoint's files
 
     @override
     def fabric_init(self, source: Any) -> None:
@@ -254,6 +266,7 @@ class RayFabricModelParallelStrategy(RayFabricWorkers):
     lightning_base = "strategies.ModelParallelStrategy"
     trainer_strategy = RayModelParallelStrategy
     every_rank_writes = True
+    writes_to_urls = False
 
     @override
     def fabric_init(self, source: Any) -> None:
@@ -298,6 +311,7 @@ class RayFabricDeepSpeedStrategy(RayFabricWorkers):
     lightning_base = "strategies.DeepSpeedStrategy"
     trainer_strategy = RayDeepSpeedStrategy
     every_rank_writes = True
+    writes_to_urls = False
 
     @override
     def fabric_init(self, source: Any) -> None:

@@ -223,6 +223,8 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
     shared_with_rebuild = ("restarts",)
     # Whether its checkpoints can go to an fsspec URL (storage_path="s3://..."); else only to a mounted directory.
     writes_to_urls = True
+    # With storage_path: rank 0's checkpoint files are uploaded while training goes on (home.background_io).
+    writes_in_background = True
     _cluster_environment: RayEnvironment | None
     namespace: namespaces.Namespace
     init_arguments: dict[str, Any]
@@ -494,7 +496,8 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
         self._cluster_environment.configure(context.rank, context.world_size, context.main_address, context.main_port)
         self.parallel_devices = [self.root_device] * context.rank.local_world_size
         self.adapt_precision_to_device()
-        if self.workers.storage.enabled and not isinstance(self.checkpoint_io, BackgroundCheckpointIO):
+        background = self.workers.storage.enabled and self.writes_in_background
+        if background and not isinstance(self.checkpoint_io, BackgroundCheckpointIO):
             # Rank 0's checkpoint files go to storage while training goes on (home.background_io).
             self.checkpoint_io = BackgroundCheckpointIO(self.checkpoint_io)
 

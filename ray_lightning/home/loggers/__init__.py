@@ -47,10 +47,10 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ray_lightning import namespaces
+from ray_lightning import _lightning, namespaces
 from ray_lightning._lightning import loggers as lightning
 from ray_lightning.config.variables import NOT_FORWARDED_ENV
-from ray_lightning.home import files
+from ray_lightning.home import files, storage
 from ray_lightning.home.loggers import comet_archive, mlflow_store, wandb_run
 
 if TYPE_CHECKING:
@@ -132,10 +132,15 @@ def continue_logs(trainer: pl.Trainer, before_step: int | None) -> None:
             lightning.continue_csv_log(logger, before_step)
 
 
-def prepare_fabric_on_driver(fabric_loggers: list[Any]) -> None:
-    """On the driver, before ``fabric.launch``: Fabric's loggers' directories absolute (the driver's meaning of
-    ``"logs"``) and their versions fixed, so that a rerun after a restart writes into the same version."""
-    files.map_logger_paths(fabric_loggers, lambda p: os.path.abspath(os.path.expanduser(p)))
+def prepare_fabric_on_driver(fabric_loggers: list[Any], run_url: str | None) -> None:
+    """On the driver, before ``fabric.launch``: Fabric's loggers' relative directories made absolute (the driver's
+    meaning of ``"logs"``), or with ``storage_path`` placed in the run's folder ``run_url``; then their versions
+    fixed, so that a rerun after a restart writes into the same version."""
+    if run_url is None:
+        files.map_logger_paths(fabric_loggers, lambda p: os.path.abspath(os.path.expanduser(p)))
+    else:
+        files.map_logger_paths(fabric_loggers, lambda p: p if os.path.isabs(p) else storage.join(run_url, p))
+        _lightning.use_filesystems_of_logger_paths(fabric_loggers)
     for logger in fabric_loggers:
         _ = logger.version
 
