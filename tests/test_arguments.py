@@ -224,9 +224,9 @@ def test_lightnings_own_checkpoint_names_and_remote_urls_pass_through(ckpt_path)
 
 
 def test_devices_are_ignored_with_a_warning():
-    with pytest.warns(UserWarning, match=r"Trainer\(devices=4\) is ignored: .* num_workers"):
+    with pytest.warns(UserWarning, match=r"devices=4 \(of the Trainer or Fabric\) is ignored: .* num_workers"):
         pl.Trainer(devices=4, strategy=RayStrategy(num_workers=2), logger=False)
-    with pytest.warns(UserWarning, match=r"Trainer\(devices=\[0, 1\]\) is ignored"):
+    with pytest.warns(UserWarning, match=r"devices=\[0, 1\] \(of the Trainer or Fabric\) is ignored"):
         pl.Trainer(devices=[0, 1], accelerator=RayAccelerator(num_workers=2), logger=False)
     import warnings
 

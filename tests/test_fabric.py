@@ -136,6 +136,18 @@ def test_everything_fabric_offers_works_in_the_launched_function_of_both_package
     assert third["world_size"] == 1 and third["sum"] == 1.0 and third["restored_step"] == 7
 
 
+def autocast_dtype(fabric) -> str:
+    with fabric.autocast():
+        return str(nn.Linear(4, 1)(torch.randn(2, 4)).dtype)
+
+
+def test_mixed_precision_follows_the_workers_device_not_the_drivers():
+    # Fabric builds its bf16 plugin on the driver for CUDA (the strategy decides the device): a CPU worker
+    # must autocast on the CPU, through the same plugin object Fabric and its modules hold.
+    fabric = L.Fabric(strategy=RayStrategy(num_workers=2), precision="bf16-mixed")
+    assert fabric.launch(autocast_dtype) == "torch.bfloat16"
+
+
 def fails_on_rank_one(fabric) -> None:
     fabric.barrier()
     if fabric.global_rank == 1:

@@ -95,10 +95,11 @@ class RayFabricWorkers(_lightning.fabric.FabricStrategyHooks, RayWorkersMixin):
 
     @override
     def adapt_precision_to_device(self) -> None:
+        # Changed in place: the Fabric object and the modules it set up hold this very plugin.
         plugin = self.precision
         mixed_precision = self.namespace.fabric("plugins.precision.MixedPrecision")
         if type(plugin) is mixed_precision and plugin.device != self.root_device.type:
-            self.precision = mixed_precision(plugin.precision, self.root_device.type)
+            vars(plugin).update(vars(mixed_precision(plugin.precision, self.root_device.type)))
 
     # -- in a worker --------------------------------------------------------------------------------------
 

@@ -137,9 +137,9 @@ class WorkerAccelerator(namespaces.PerNamespace):
         # turns the default "auto" into auto_device_count() (1) before asking, so 1 cannot warn.
         if devices not in (1, "1", "auto"):
             warnings.warn(
-                f"Trainer(devices={devices!r}) is ignored: ray_lightning trains one process per Ray worker, each "
-                "on the device Ray reserves for it. Set how many with num_workers (RayStrategy, RayAccelerator, "
-                "HorovodRayStrategy) or num_hosts x num_slots (Horovod), and GPUs with use_gpu or "
+                f"devices={devices!r} (of the Trainer or Fabric) is ignored: ray_lightning trains one process per Ray "
+                "worker, each on the device Ray reserves for it. Set how many with num_workers (RayStrategy, "
+                "RayAccelerator, HorovodRayStrategy) or num_hosts x num_slots (Horovod), and GPUs with use_gpu or "
                 "resources_per_worker.",
                 stacklevel=2,
             )
