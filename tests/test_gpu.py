@@ -2,7 +2,7 @@
 
 Everything here runs with one GPU (the tests that need two say so when they skip): a single-GPU worker
 (NCCL with world size 1, its device and CUDA_VISIBLE_DEVICES), two workers sharing the GPU (gloo), FSDP1,
-FSDP2 and DeepSpeed, bf16-mixed precision, a restart after SIGKILL and a Tune trial. ``python3 dev.py gpu``
+FSDP2 and DeepSpeed, bf16-mixed precision, a restart after SIGKILL, a Tune trial and a Fabric launch. ``python3 dev.py gpu``
 runs this module and writes its report. The device logic these tests rely on (CUDA_VISIBLE_DEVICES, device
 index, backend) is also tested without a GPU in test_environment.py.
 """
@@ -272,3 +272,26 @@ def test_ray_data_batches_arrive_on_the_gpu_worker_s_device(tmp_path):
     trainer.fit(RayDataProbe(), datamodule=RayDataModule(train=dataset(64, preprocess=True), batch_size=8))
     assert trainer.callback_metrics["batch_on_cuda"] == 1.0
     assert trainer.callback_metrics["rows"] == 64
+
+
+def fabric_on_the_gpu(fabric) -> dict:
+    model = torch.nn.Linear(8, 1)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(16, 8, device=fabric.device)
+    with fabric.autocast():
+        inner = str(model.module(x).dtype)
+    fabric.backward(model(x).float().pow(2).mean())
+    optimizer.step()
+    total = fabric.all_reduce(torch.ones(1, device=fabric.device), reduce_op="sum")
+    backend = torch.distributed.get_backend()
+    return {"device": str(fabric.device), "inner": inner, "backend": backend, "sum": total.item()}
+
+
+@pytest.mark.parametrize("fabric_package", ["lightning.fabric", "lightning_fabric"])
+def test_fabric_launches_on_the_gpu_worker_with_nccl_and_bf16(fabric_package):
+    import importlib
+
+    fabric_class = importlib.import_module(fabric_package).Fabric
+    fabric = fabric_class(strategy=RayStrategy(num_workers=1, use_gpu=True), precision="bf16-mixed")
+    result = fabric.launch(fabric_on_the_gpu)
+    assert result == {"device": "cuda:0", "inner": "torch.bfloat16", "backend": "nccl", "sum": 1.0}
