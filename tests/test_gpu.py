@@ -2,9 +2,9 @@
 
 Everything here runs with one GPU (the tests that need two say so when they skip): a single-GPU worker
 (NCCL with world size 1, its device and CUDA_VISIBLE_DEVICES), two workers sharing the GPU (gloo), FSDP1,
-FSDP2 and DeepSpeed, bf16-mixed precision, a restart after SIGKILL, a Tune trial and a Fabric launch. ``python3 dev.py gpu``
-runs this module and writes its report. The device logic these tests rely on (CUDA_VISIBLE_DEVICES, device
-index, backend) is also tested without a GPU in test_environment.py.
+FSDP2 and DeepSpeed, bf16-mixed precision, a restart after SIGKILL, a Tune trial and a Fabric launch.
+``python3 dev.py gpu`` runs this module and writes its report. The device logic these tests rely on
+(CUDA_VISIBLE_DEVICES, device index, backend) is also tested without a GPU in test_environment.py.
 """
 
 from __future__ import annotations
