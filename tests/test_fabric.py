@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ray_lightning import (
+    ClusterResourceError,
     HorovodRayStrategy,
     RayDeepSpeedStrategy,
     RayFSDPStrategy,
@@ -97,6 +98,7 @@ def use_everything(fabric, out_dir: str) -> dict:
     optimizer.step()
     fabric.log("value", float(fabric.global_rank + 1), step=0)
     fabric.barrier()
+    fabric.print(f"fabric.print from rank {fabric.global_rank}")
     fabric.save(os.path.join(out_dir, "state.ckpt"), {"model": model, "optimizer": optimizer, "step": 7})
     restored = fabric.load(os.path.join(out_dir, "state.ckpt"))
     return {
@@ -116,10 +118,11 @@ def _csv_values(root, key: str = "value") -> list[str]:
         return [row[key] for row in csv.DictReader(f)]
 
 
-def test_everything_fabric_offers_works_in_the_launched_function_of_both_packages(tmp_path):
+def test_everything_fabric_offers_works_in_the_launched_function_of_both_packages(tmp_path, capfd):
     strategy = RayStrategy(num_workers=2)
     fabric = L.Fabric(strategy=strategy, loggers=CSVLogger("logs", name="run"))
     first = fabric.launch(use_everything, "ckpt")
+    assert capfd.readouterr().out.count("fabric.print from rank 0") == 1, "printed once, before launch returned"
     assert first["world_size"] == 2
     assert sorted(first["seen"]) == [float(i) for i in range(20)], "every sample once across the ranks"
     assert first["sum"] == 3.0 and first["restored_step"] == 7
@@ -171,7 +174,10 @@ def test_what_cannot_work_is_refused_before_any_worker_starts():
         L.Fabric(strategy=HorovodRayStrategy(num_workers=2))
     with pytest.warns(UserWarning, match=r"accelerator='cuda'.* is ignored"):
         L.Fabric(strategy=RayStrategy(num_workers=2), accelerator="cuda")
-    assert len(alive_worker_actors()) == before
+    impossible = RayStrategy(num_workers=2, resources_per_worker={"CPU": 1, "tpu_v9": 1})
+    with pytest.raises(ClusterResourceError, match="which no node in the Ray cluster has"):
+        L.Fabric(strategy=impossible).launch(train_ddp, 0.1)
+    assert len(alive_worker_actors()) <= before, "no worker started"
 
 
 def hangs_on_rank_one(fabric) -> None:
