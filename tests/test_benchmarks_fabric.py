@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import signal
-import subprocess
-import sys
 
 import pytest
 
 from benchmarks.fabric_measure import BASELINE, CONTENDERS, LAUNCHES
 from benchmarks.fabric_report import METRICS, TARGETS
-from tests.conftest import ROOT
+from tests.benchmark_runs import run_benchmark
 
 # Two fresh driver processes of two tiny launches each: about a minute on 2 quiet cores.
 BENCHMARK_TIMEOUT_S = 900
@@ -25,19 +22,9 @@ pytestmark = pytest.mark.timeout(BENCHMARK_TIMEOUT_S + 120)
 
 
 def test_fabric_benchmark_writes_every_metric_for_every_contender(tmp_path):
-    log_path = tmp_path / "fabric.log"
-    command = [sys.executable, "-m", "benchmarks.fabric", "--out", str(tmp_path), "--tiny", "--repeats", "1",
-               "--name", "smoke", "--timeout", "600"]  # fmt: skip
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            code = process.wait(timeout=BENCHMARK_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            # SIGTERM stops its driver processes and its own Ray cluster (never the tests' Ray).
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=120)
-            pytest.fail(f"benchmarks.fabric ran over {BENCHMARK_TIMEOUT_S} s:\n{log_path.read_text()[-8000:]}")
-    assert code == 0, log_path.read_text()[-8000:]
+    args = ("--tiny", "--repeats", "1", "--name", "smoke", "--timeout", "600")
+    code, log = run_benchmark("fabric", tmp_path, BENCHMARK_TIMEOUT_S, *args)
+    assert code == 0, log[-8000:]
 
     document = json.loads((tmp_path / "smoke.json").read_text())
     markdown = (tmp_path / "smoke.md").read_text()
