@@ -169,6 +169,15 @@ def test_checkpoints_the_workers_own_callbacks_name_are_written_anywhere(tmp_pat
     assert len([r for r in caplog.records if r.name == "ray_lightning.home.files"]) == 2
 
 
+def test_a_fabric_functions_staged_files_land_at_the_paths_it_gave(tmp_path):
+    # Without a Trainer (fabric.launch) only fabric.save and the loggers stage: they come home where the
+    # function said, after it returned and after a failure alike (launch.launcher), wherever that is.
+    scope = driver_files.WriteScope.of(None)
+    sent = {str(tmp_path / "ckpt" / "last.ckpt"): b"1", str(tmp_path / "elsewhere" / "metrics.csv"): b"2"}
+    assert driver_files.write(sent, scope) == sorted(sent)
+    assert (tmp_path / "ckpt" / "last.ckpt").read_bytes() == b"1"
+
+
 def test_a_staged_checkpoint_state_outside_the_trainers_directories_is_not_loaded(tmp_path, caplog):
     from pytorch_lightning.callbacks import ModelCheckpoint
 

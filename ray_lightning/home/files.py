@@ -321,13 +321,17 @@ class WriteScope:
 
     directories: tuple[str, ...] = ()
     files: frozenset[str] = frozenset()
+    # A function without a Trainer (Fabric's launch): what its ranks staged is what it wrote through
+    # fabric.save and its loggers, at the paths it gave them, wherever those are.
+    everywhere: bool = False
 
     @classmethod
     def of(cls, trainer: pl.Trainer | None, more: Iterable[str] = ()) -> WriteScope:
         """On the driver, before launching (after :func:`make_absolute`); ``more``: other directories
-        rank 0 writes to (the loggers' stores, :func:`ray_lightning.home.loggers.output_directories`)."""
+        rank 0 writes to (the loggers' stores, :func:`ray_lightning.home.loggers.output_directories`).
+        Without a Trainer: every path (see ``everywhere``)."""
         if trainer is None:
-            return cls()
+            return cls(everywhere=True)
         found = [*_lightning.output_directories(trainer), *more]
         return cls(tuple(sorted({_resolved(p) for p in found if _lightning.is_local_file_protocol(p)})))
 
@@ -339,9 +343,11 @@ class WriteScope:
                 named.update(str(p) for p in state["best_k_models"])
                 named.update(str(state.get(k) or "") for k in _CHECKPOINT_FILES)
         checkpoints = {_resolved(p) for p in named if p.endswith(CHECKPOINT_EXTENSION)}
-        return WriteScope(self.directories, self.files | checkpoints)
+        return WriteScope(self.directories, self.files | checkpoints, self.everywhere)
 
     def allows(self, path: str) -> bool:
+        if self.everywhere:
+            return True
         # The directories are followed; a link in the last place is replaced by the write, not followed.
         resolved = os.path.join(_resolved(os.path.dirname(path) or "."), os.path.basename(path))
         return resolved in self.files or any(

@@ -335,7 +335,7 @@ class RayLauncher(*_lightning.launcher_bases()):
         outputs = attempt.outputs or []
         rank_zero = next(o for o in outputs if o is not None and o.global_rank == 0)
         if trainer is None:
-            return self._function_home(outputs, rank_zero)
+            return self._function_home(outputs, rank_zero, call.scope)
         written = apply_to_driver(trainer, rank_zero, call.scope, weight_chunks(attempt.group.actors, outputs))
         for output in outputs:
             if output is not None and output is not rank_zero and output.files:
@@ -356,11 +356,10 @@ class RayLauncher(*_lightning.launcher_bases()):
             return merge_predictions(per_rank, rank_zero.num_predict_dataloaders)
         return rank_zero.results
 
-    def _function_home(self, outputs: list[WorkerOutput | None], rank_zero: WorkerOutput) -> Any:
+    def _function_home(self, outputs: list[WorkerOutput | None], rank_zero: WorkerOutput, scope: Any) -> Any:
         """A function without a Trainer (Fabric's): the files ranks off this machine wrote, at the paths they
         gave (``fabric.save``, the loggers' directories: the only writes that stage), and rank 0's return value."""
         sent = {path: data for o in outputs if o is not None for path, data in o.files.items()}
-        scope = files.WriteScope(tuple(sorted({os.path.dirname(os.path.abspath(p)) for p in sent})))
         self.transferred_files = files.write(sent, scope)
         if self.transferred_files:
             copied = ", ".join(self.transferred_files)
