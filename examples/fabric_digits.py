@@ -90,7 +90,7 @@ def train(fabric: L.Fabric, args: argparse.Namespace, checkpoint: str) -> dict[s
         state["epoch"] = epoch + 1
         fabric.save(checkpoint, state)  # rank 0 writes it (a relative path: in the driver's working directory)
 
-    fabric.logger.finalize("success")  # writes out the CSV rows not yet flushed
+    fabric.logger.finalize("success")  # writes out the CSV rows not yet flushed (ray_lightning does it too)
     return {**metrics, "epochs": state["epoch"]}
 
 
@@ -106,8 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parser.parse_args(argv)
 
     strategy = RayStrategy(num_workers=args.num_workers, use_gpu=args.use_gpu, max_failures=args.max_failures)
-    # One row per epoch: each is written out as it comes. (A restarted train() starts the file afresh, with
-    # the rows from the epoch it resumes in: Fabric's CSVLogger replaces a metrics.csv it finds.)
+    # One row per epoch: each is written out as it comes. (A restarted train() appends to the rows written before.)
     logger = CSVLogger(root_dir="lightning_logs", name="fabric_digits", flush_logs_every_n_steps=1)
     fabric = L.Fabric(strategy=strategy, loggers=logger)
     # The run's directory (lightning_logs/fabric_digits/version_N), chosen here once: a restarted train() gets

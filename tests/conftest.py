@@ -54,16 +54,18 @@ def session_pythonpath() -> str:
 
 
 @contextlib.contextmanager
-def connected_cluster(*worker_nodes: dict, runtime_env: dict | None = None) -> Iterator[Cluster]:
-    """This process connected to a new ``ray.cluster_utils.Cluster``: a 1-CPU head (the driver's node)
-    and one node per ``add_node`` keyword dict; shut down afterwards (the session's local Ray
+def connected_cluster(
+    *worker_nodes: dict, runtime_env: dict | None = None, head_resources: dict | None = None
+) -> Iterator[Cluster]:
+    """This process connected to a new ``ray.cluster_utils.Cluster``: a 1-CPU head (the driver's node, with
+    ``head_resources``) and one node per ``add_node`` keyword dict; shut down afterwards (the session's local Ray
     starts again on the next ``ray_local``). ``runtime_env``: the job's, as a user gives one to ship code."""
     import ray
     from ray.cluster_utils import Cluster
 
     _stop_waiting_workers()
     ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": head_resources or {}})
     for node in worker_nodes:
         cluster.add_node(**node)
     try:

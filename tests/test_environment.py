@@ -93,3 +93,22 @@ def test_cpu_worker():
     assert strategy.root_device == torch.device("cpu")
     assert strategy.determine_ddp_device_ids() is None
     assert strategy.worker_process_group_backend() == "gloo"
+
+
+def test_mixed_precision_built_on_a_driver_without_cuda_is_rebuilt_for_a_cuda_worker():
+    # A driver without CUDA builds "16-mixed" for CUDA workers with a GradScaler that disabled itself; a worker
+    # on CUDA must not train fp16 without loss scaling (the Trainer's and Fabric's plugins alike).
+    import warnings
+
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    from ray_lightning.strategies.workers import mixed_precision_is_stale
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that CUDA is not available
+        fp16 = MixedPrecision("16-mixed", "cuda")
+    assert not fp16.scaler.is_enabled()
+    assert mixed_precision_is_stale(fp16, "cuda"), "a disabled scaler on a CUDA worker"
+    assert mixed_precision_is_stale(fp16, "cpu"), "built for another device"
+    assert not mixed_precision_is_stale(MixedPrecision("bf16-mixed", "cuda"), "cuda"), "bf16 has no scaler"
+    assert not mixed_precision_is_stale(MixedPrecision("bf16-mixed", "cpu"), "cpu")

@@ -328,17 +328,29 @@ def test_model_parallel_without_parallelize_fn_is_refused_for_fabric_and_with_it
 
 
 def writes_on_rank_zero(fabric) -> dict:
-    fabric.save("out/state.ckpt", {"step": 3, "rank": fabric.global_rank})
-    fabric.log("value", 2.0, step=0)
     import ray
 
-    return {"node": ray.get_runtime_context().get_node_id()}
+    fabric.save("out/state.ckpt", {"step": 3, "rank": fabric.global_rank})
+    # Every rank reads what rank 0 saved, as on one machine: rank 1 shares rank 0's node.
+    read = fabric.all_gather(torch.tensor(fabric.load("out/state.ckpt")["step"])).tolist()
+    fabric.log("value", 2.0, step=0)
+    return {"node": ray.get_runtime_context().get_node_id(), "read": read}
+
+
+def saves_sharded(fabric) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    model = fabric.setup_module(_net())
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    fabric.save("sharded", {"model": model, "optimizer": optimizer})
+    return isinstance(model.module[0].weight, DTensor)
 
 
 @pytest.mark.timeout(600)
-def test_files_rank_zero_writes_on_another_node_come_home(tmp_path):
-    node = {"num_cpus": 2, "resources": {"elsewhere": 2}}
-    with connected_cluster(node, runtime_env={"env_vars": {"PYTHONPATH": session_pythonpath()}}):
+def test_files_ranks_write_on_other_nodes_come_home(tmp_path):
+    node = {"num_cpus": 2, "resources": {"elsewhere": 2, "spread": 1}}
+    env = {"env_vars": {"PYTHONPATH": session_pythonpath()}}
+    with connected_cluster(node, runtime_env=env, head_resources={"spread": 1}):
         import ray
 
         driver_node = ray.get_runtime_context().get_node_id()
@@ -346,27 +358,22 @@ def test_files_rank_zero_writes_on_another_node_come_home(tmp_path):
         fabric = L.Fabric(strategy=strategy, loggers=CSVLogger("logs", name="run"))
         result = fabric.launch(writes_on_rank_zero)
         assert result["node"] != driver_node, "rank 0 ran on the other node"
-    home = tmp_path / "out" / "state.ckpt"
+        assert result["read"] == [3, 3]
+        home = tmp_path / "out" / "state.ckpt"
+        assert str(home) in fabric.strategy.launcher.transferred_files, "sent home, not written through a shared disk"
+        # FSDP2 with one rank on each node: each rank's part of the sharded checkpoint comes home beside the other's.
+        spread = {"CPU": 1, "spread": 1}
+        sharded = RayFSDPStrategy(num_workers=2, resources_per_worker=spread, state_dict_type="sharded")
+        sharded_fabric = L.Fabric(strategy=sharded)
+        assert sharded_fabric.launch(saves_sharded)
+        came_home = {os.path.basename(p) for p in sharded_fabric.strategy.launcher.transferred_files}
     assert torch.load(home, weights_only=False) == {"step": 3, "rank": 0}
-    assert str(home) in fabric.strategy.launcher.transferred_files, "sent home, not written through a shared disk"
     assert _csv_values(tmp_path / "logs") == ["2.0"]
-
-
-def saves_relative(fabric) -> str:
-    fabric.save("ckpt/state.ckpt", {"step": 5})
-    fabric.log("value", 3.0, step=0)
-    return str(fabric.load("ckpt/state.ckpt")["step"])
-
-
-def test_with_storage_path_relative_saves_and_logs_go_to_the_runs_folder(tmp_path, bucket):
-    strategy = RayStrategy(num_workers=2, storage_path=f"{bucket.url}/runs", run_name="fabric")
-    fabric = L.Fabric(strategy=strategy, loggers=CSVLogger("logs", name="csv"))
-    assert fabric.launch(saves_relative) == "5", "fabric.load read what fabric.save wrote in the bucket"
-    stored = bucket.files("runs/fabric")
-    assert "runs/fabric/ckpt/state.ckpt" in stored and any(p.endswith("metrics.csv") for p in stored), stored
-    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "logs").exists(), "nothing written on the driver"
-    with pytest.raises(ValueError, match="cannot write to storage_path"):
-        L.Fabric(strategy=RayFSDPStrategy(num_workers=2, storage_path=f"{bucket.url}/runs"))
+    parts = sorted(p.name for p in (tmp_path / "sharded").iterdir())
+    assert parts == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"], parts
+    # What the rank on the other node wrote (its part; rank 0's metadata too if it was that one) was staged and sent
+    # home; the rank on the driver's node wrote in place.
+    assert came_home and came_home < set(parts) and any(p.endswith(".distcp") for p in came_home), came_home
 
 
 def reports_to_tune(fabric) -> float:

@@ -6,7 +6,8 @@ Example::
     from ray_lightning import RayStrategy
 
     def train(fabric, lr):
-        model, optimizer = fabric.setup(Net(), torch.optim.SGD(Net().parameters(), lr=lr))
+        model = Net()
+        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=lr))
         ...
         return {"loss": loss.item()}
 

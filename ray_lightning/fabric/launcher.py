@@ -25,7 +25,7 @@ class RayFabricLauncher(RayLauncher):
     """Runs ``fabric.launch(fn, *args)`` on the strategy's Ray actors; returns rank 0's return value."""
 
     @override
-    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:  # every keyword is the function's
         if _lightning.fabric.is_argumentless_launch(function):
             raise RuntimeError(
                 "fabric.launch() without a function cannot run on Ray actors: Fabric's own launchers re-run this "
@@ -40,4 +40,4 @@ class RayFabricLauncher(RayLauncher):
         strategy.run_url = storage.join(settings.path, strategy.run_name_now()) if settings.enabled else None
         strategy.loggers = list(getattr(fabric, "loggers", []))
         loggers.prepare_fabric_on_driver(strategy.loggers, strategy.run_url)
-        return super().launch(function, *args, trainer=None, **kwargs)
+        return self.run_call(function, args, kwargs, None)

@@ -25,9 +25,11 @@ what users asked for (the issue), and the Trainer strategies already check every
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 from typing_extensions import override
@@ -41,7 +43,7 @@ from ray_lightning.strategies.ddp import RayStrategy
 from ray_lightning.strategies.deepspeed import RayDeepSpeedStrategy, adopt_process_group, deepspeed_device
 from ray_lightning.strategies.fsdp import RayFSDPStrategy, mesh_layout
 from ray_lightning.strategies.model_parallel import RayModelParallelStrategy, model_parallel_mesh
-from ray_lightning.strategies.workers import RayWorkersMixin
+from ray_lightning.strategies.workers import RayWorkersMixin, mixed_precision_is_stale
 
 
 class RayFabricWorkers(_lightning.fabric.FabricStrategyHooks, RayWorkersMixin):
@@ -55,6 +57,9 @@ class RayFabricWorkers(_lightning.fabric.FabricStrategyHooks, RayWorkersMixin):
     lightning_fabric = True
     # The Trainer strategy this is the Fabric form of.
     trainer_strategy: ClassVar[type]
+    # Off the driver's node every rank stages, in one directory per node (launch.contexts): a sharded
+    # checkpoint's parts, and what the node's other ranks read of rank 0's.
+    every_rank_writes = True
     # fabric.save writes as the user's loop calls it (with storage_path: in the run's folder), not in the background.
     writes_in_background = False
 
@@ -72,6 +77,7 @@ class RayFabricWorkers(_lightning.fabric.FabricStrategyHooks, RayWorkersMixin):
         self.run_url: str | None = None  # with storage_path: the run's folder, where relative paths go
         self.loggers: list[Any] = []
         self._staging: str | None = None
+        self._localizing: tuple[Any, Any, Any] | None = None
         self._cwd_before: str | None = None
         self.fabric_init(source)
         self.cluster_environment = namespaces.member(RayEnvironment, self._namespace())(self.num_workers)
@@ -98,7 +104,7 @@ class RayFabricWorkers(_lightning.fabric.FabricStrategyHooks, RayWorkersMixin):
         # Changed in place: the Fabric object and the modules it set up hold this very plugin.
         plugin = self.precision
         mixed_precision = self.namespace.fabric("plugins.precision.MixedPrecision")
-        if type(plugin) is mixed_precision and plugin.device != self.root_device.type:
+        if type(plugin) is mixed_precision and mixed_precision_is_stale(plugin, self.root_device.type):
             vars(plugin).update(vars(mixed_precision(plugin.precision, self.root_device.type)))
 
     # -- in a worker --------------------------------------------------------------------------------------
@@ -111,7 +117,8 @@ class RayFabricWorkers(_lightning.fabric.FabricStrategyHooks, RayWorkersMixin):
 
     @override
     def attach_worker(self, context: WorkerContext, rendezvous_store: Any, staging: str | None = None) -> None:
-        """Also: run in the driver's working directory where this node has it; write under ``staging`` if given."""
+        """Also: run in the driver's working directory where this node has it; write under ``staging`` if given
+        (this node's staging directory: it is not the driver's)."""
         super().attach_worker(context, rendezvous_store)
         self._staging = staging
         self._cwd_before = os.getcwd()
@@ -121,14 +128,17 @@ class RayFabricWorkers(_lightning.fabric.FabricStrategyHooks, RayWorkersMixin):
             return
         if staging is not None:
             files.map_logger_paths(self.loggers, lambda p: files.to_staged(p, staging) if os.path.isabs(p) else p)
-        if context.recovery is not None and context.recovery.attempt > 0:
-            loggers.continue_fabric_logs(self.loggers)
+        # A rerun after a restart, or a later launch with the same loggers: their files so far are kept.
+        loggers.continue_fabric_logs(self.loggers)
 
-    def function_returned(self) -> None:
-        """In a worker, after the launched function returned: rank 0's loggers write what they hold (Fabric's
-        CSVLogger keeps up to 100 steps in memory; the worker process outlives the call), as a Trainer's fit ends."""
+    def function_ended(self, succeeded: bool) -> None:
+        """In a worker, after the launched function returned or raised: rank 0's loggers write what they hold
+        (Fabric's CSVLogger keeps up to 100 steps in memory; the worker process outlives the call); after a
+        success, every rank waits until all wrote their files (a node's staging directory is sent once)."""
         for logger in self.loggers:
-            logger.finalize("success")
+            logger.finalize("success" if succeeded else "failed")
+        if succeeded:
+            self.fabric_base().barrier(self, "ray_lightning: every rank's files written")
 
     @override
     def detach_worker(self) -> None:
@@ -139,37 +149,51 @@ class RayFabricWorkers(_lightning.fabric.FabricStrategyHooks, RayWorkersMixin):
 
     def _written_path(self, path: Any) -> Any:
         """Where this worker writes ``path``: with ``storage_path`` a relative path in the run's folder; else the
-        driver's path, or its place under the staging directory."""
+        driver's path, or its place under this rank's staging directory."""
         if not isinstance(path, (str, os.PathLike)) or not _lightning.is_local_file_protocol(path):
             return path
         path = os.path.expanduser(os.fspath(path))
         if self.run_url is not None and not os.path.isabs(path):
             return storage.join(self.run_url, path)
         absolute = os.path.abspath(path)
-        return files.to_staged(absolute, self._staging) if self._staging is not None else absolute
+        if self._staging is None or self._staged(absolute):
+            return absolute  # already staged: a path made from a staged logger's log_dir
+        return files.to_staged(absolute, self._staging)
 
     def _read_path(self, path: Any) -> Any:
-        """Where this worker reads ``path``: in the run's folder (relative, with ``storage_path``), what it wrote
-        under its staging directory in this call, else the path."""
+        """Where this worker reads ``path``: what a rank of this node staged in this call, else the path (in the
+        run's folder when relative, with ``storage_path``)."""
         written = self._written_path(path)
-        if self._staging is None:
+        if self._staging is None or not isinstance(written, str) or os.path.exists(written):
             return written
-        return written if os.path.exists(written) else path
+        return os.path.abspath(os.path.expanduser(os.fspath(path)))
+
+    def _staged(self, path: str) -> bool:
+        return self._staging is not None and path.startswith(self._staging + os.sep)
 
     @override
     def save_checkpoint(
         self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None
     ) -> None:
         runtime.mark_progress("fabric.save", str(path))
-        written = self._written_path(path)
-        if isinstance(written, str) and _lightning.is_local_file_protocol(written):
-            os.makedirs(os.path.dirname(written) or ".", exist_ok=True)
-        self.fabric_base().save_checkpoint(self, self._written_path(path), state, storage_options, filter)
+        with self._localized(path, self._written_path):
+            self.fabric_base().save_checkpoint(self, self._written_path(path), state, storage_options, filter)
 
     @override
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any) -> Any:
         runtime.mark_progress("fabric.load", str(path))
-        return self.fabric_base().load_checkpoint(self, self._read_path(path), state, strict, **kwargs)
+        with self._localized(path, self._read_path):
+            return self.fabric_base().load_checkpoint(self, self._read_path(path), state, strict, **kwargs)
+
+    @contextlib.contextmanager
+    def _localized(self, path: Any, where: Callable[[Any], Any]) -> Iterator[None]:
+        """While saving or loading ``path``: Fabric's sharded strategies broadcast rank 0's path to every rank
+        (:meth:`broadcast`), which is each rank's own here (its staging directory, or the driver's path)."""
+        self._localizing = (os.fspath(where(path)) if isinstance(path, (str, os.PathLike)) else None, path, where)
+        try:
+            yield
+        finally:
+            self._localizing = None
 
     # Progress for the hang watchdog: a rank that makes none for progress_timeout_s is stuck.
 
@@ -196,7 +220,16 @@ class RayFabricWorkers(_lightning.fabric.FabricStrategyHooks, RayWorkersMixin):
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         runtime.mark_progress("training", "broadcast")
-        return self.fabric_base().broadcast(self, obj, src)
+        result = self.fabric_base().broadcast(self, obj, src)
+        localizing = getattr(self, "_localizing", None)
+        if localizing is None or not isinstance(result, (str, os.PathLike)):
+            return result
+        self._localizing = None  # the one broadcast of the path, in Fabric's save/load
+        if os.fspath(result) == localizing[0]:
+            return result
+        # Rank 0's own path for the checkpoint this rank is saving or loading: use this rank's.
+        own = localizing[2](localizing[1])
+        return type(result)(own) if isinstance(result, os.PathLike) else own
 
 
 class RayFabricDDPStrategy(RayFabricWorkers):
@@ -226,7 +259,6 @@ class RayFabricFSDPStrategy(RayFabricWorkers):
 
     lightning_base = "strategies.ModelParallelStrategy"
     trainer_strategy = RayFSDPStrategy
-    every_rank_writes = True  # a sharded checkpoint: each rank writes its part
     writes_to_urls = False  # Fabric's own saving: torch.save on rank 0, or torch.distributed.checkpoint's files
 
     @override
@@ -266,7 +298,6 @@ class RayFabricModelParallelStrategy(RayFabricWorkers):
 
     lightning_base = "strategies.ModelParallelStrategy"
     trainer_strategy = RayModelParallelStrategy
-    every_rank_writes = True
     writes_to_urls = False
 
     @override
@@ -311,7 +342,6 @@ class RayFabricDeepSpeedStrategy(RayFabricWorkers):
 
     lightning_base = "strategies.DeepSpeedStrategy"
     trainer_strategy = RayDeepSpeedStrategy
-    every_rank_writes = True
     writes_to_urls = False
 
     @override
@@ -351,6 +381,14 @@ FABRIC_FORMS: dict[type, type] = {
 
 def for_fabric(strategy: Any, accelerator: Any, ns: Namespace) -> tuple[Any, Any]:
     """What Fabric's connector gets instead of ``strategy`` (and ``accelerator``): see the module docstring."""
+    if isinstance(accelerator, _lightning.BringsItsStrategy):
+        # The classic form, Fabric(accelerator=RayAccelerator(...)): its strategy, as for the Trainer.
+        if strategy not in ("auto", None):
+            raise ValueError(
+                f"Fabric(accelerator={type(accelerator).__name__}(...)) brings its own strategy: drop strategy="
+                f"{strategy!r}, or pass strategy={accelerator.strategy_class.__name__}(...) alone."
+            )
+        strategy, accelerator = accelerator.make_strategy(), "auto"
     if isinstance(strategy, str):
         strategy = _registered(strategy, ns) or strategy
     if isinstance(strategy, RayFabricWorkers):

@@ -141,6 +141,8 @@ class WorkerCall:
         staging = files.staging_dir(context.staging_name) if context.staging_name else None
         if staging is not None:
             files.make_private_dir(staging)
+        if strategy.workers.storage.enabled:
+            storage.forget_cached_filesystems()  # this call's credentials and endpoints (AWS_*...)
         self._strategy = strategy
         strategy.attach_worker(context, self._store, staging)
         if strategy.workers.init_hook is not None:
@@ -148,12 +150,19 @@ class WorkerCall:
             strategy.workers.init_hook()
         assert self._watch is not None
         self._watch.install()  # SIGTERM (preemption) reaches the watch before the function's own handlers
-        with readable_output(rank_zero, progress_to_driver=False):
-            results = function(*args, **kwargs)
+        try:
+            with readable_output(rank_zero, progress_to_driver=False):
+                results = function(*args, **kwargs)
+        except BaseException:
+            with contextlib.suppress(Exception):  # what the loggers hold, for the rerun; the failure is what matters
+                strategy.function_ended(succeeded=False)
+            raise
         runtime.mark_progress("collecting the results")
-        strategy.function_returned()
-        sent = files.collect(staging) if staging is not None else {}
-        if staging is not None:
+        strategy.function_ended(succeeded=True)
+        # The ranks of a node share its staging directory: its local rank 0 sends it, once they all wrote.
+        sent = {}
+        if staging is not None and context.rank.local_rank == 0:
+            sent = files.collect(staging)
             shutil.rmtree(staging, ignore_errors=True)
         if not rank_zero and not sent:
             return None

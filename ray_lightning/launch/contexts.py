@@ -43,6 +43,10 @@ class CallSettings:
     keep_checkpoints: tuple[str, ...] = ()
     # The run keeps its files in storage: the storage variables are forwarded too.
     storage: bool = False
+    # Every rank off the driver's machine, rank 0 too, stages under ``node_staging_name(shard_staging, node)``: one
+    # directory per node, which that node's ranks share as a local disk (a function Fabric launched reads what
+    # another rank of its node saved, and a sharded checkpoint's parts on a node are one directory).
+    node_staging: bool = False
 
     def marker_of(self, rank: int) -> str | None:
         return f"{self.output_marker}-{rank}" if self.output_marker is not None else None
@@ -94,7 +98,7 @@ def build_contexts(
             cuda_visible_devices=visible,
             device_index=index,
             shares_gpu=shared,
-            staging_name=_staging_name(rank.global_rank, info.node_id != driver_node, staging, call.shard_staging),
+            staging_name=_staging_name(rank.global_rank, info.node_id, info.node_id != driver_node, staging, call),
             rank_zero_staging=staging.name if staging is not None and call.shard_staging else None,
             env_vars={**env, **(point.rank_env[rank.global_rank] if point.rank_env else {})},
             driver_sys_path=sys_path if info.node_id == driver_node else (),
@@ -112,11 +116,21 @@ def build_contexts(
     ]
 
 
-def _staging_name(rank: int, off_driver: bool, staging: StagingArea | None, shard_staging: str | None) -> str | None:
+def node_staging_name(base: str, node_id: str) -> str:
+    """The staging directory the ranks on node ``node_id`` share (``CallSettings.node_staging``); nodes that share a
+    disk (a test's cluster on one machine) keep theirs apart."""
+    return f"{base}-{node_id[:12]}"
+
+
+def _staging_name(
+    rank: int, node_id: str, off_driver: bool, staging: StagingArea | None, call: CallSettings
+) -> str | None:
     """Where this rank writes its files instead of the driver's paths (None: at the driver's paths)."""
+    if call.node_staging and call.shard_staging is not None:
+        return node_staging_name(call.shard_staging, node_id) if off_driver else None
     if rank == 0:
         return staging.name if staging is not None else None
-    return f"{shard_staging}-rank{rank}" if shard_staging is not None and off_driver else None
+    return f"{call.shard_staging}-rank{rank}" if call.shard_staging is not None and off_driver else None
 
 
 def describe_placement(workers: str, ranks: Sequence[WorkerRank], infos: Sequence[NodeInfo], reused: bool) -> str:

@@ -44,6 +44,7 @@ from ray_lightning.launch.contexts import (
     CallSettings,
     build_contexts,
     describe_placement,
+    node_staging_name,
     nodes_by_rank,
     progress_interval,
 )
@@ -102,6 +103,7 @@ class _Call:
     scope: files.WriteScope  # where the files rank 0 sends back may land
     seed_directories: list[str]  # where this call's own logs and checkpoints go
     run: storage.Run | None = None  # with storage_path: the run's folder, where the ranks write everything
+    function_only: bool = False  # no Trainer: a function Fabric launched
     keep_checkpoints: tuple[str, ...] = ()  # the ckpt_path given, which no rotation may remove
 
 
@@ -128,6 +130,10 @@ class RayLauncher(*_lightning.launcher_bases()):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        return self.run_call(function, args, kwargs, trainer)
+
+    def run_call(self, function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer | None) -> Any:
+        """``function(*args, **kwargs)`` on the workers: a Trainer's, or (``trainer`` None) Fabric's launched one."""
         if trainer is not None:
             self._strategy.check_trainer(trainer)
         ensure_ray_initialized()
@@ -155,6 +161,7 @@ class RayLauncher(*_lightning.launcher_bases()):
             scope=scope,
             run=run,
             keep_checkpoints=files.path_forms(given),
+            function_only=trainer is None,
         )
         if run is not None:
             self._announce_run(call, trainer, given)
@@ -266,10 +273,11 @@ class RayLauncher(*_lightning.launcher_bases()):
                 files.new_staging_name() if _ranks_stage(self._strategy, call) else None,
                 call.keep_checkpoints,
                 call.run is not None,
+                node_staging=call.function_only,
             )
             infos = group.node_infos(timeouts.start_s)
             nodes = {r.global_rank: info for r, info in zip(group.ranks, infos)}
-            staging = _staging_area(nodes) if call.run is None else None
+            staging = _staging_area(nodes, settings) if call.run is None else None
             contexts = self._contexts(group, infos, staging, settings, call)
             watchdog = Watchdog([r.global_rank for r in group.ranks], infos, timeouts.progress_s, timeouts.start_s)
             outputs = group.run(call.payload, contexts, channel, watchdog, stop=call.recovery.stop_for_preemption)
@@ -389,10 +397,15 @@ def _ranks_stage(strategy: Any, call: _Call) -> bool:
     return bool(getattr(strategy, "every_rank_writes", False)) and call.run is None
 
 
-def _staging_area(nodes: Mapping[int, NodeInfo]) -> files.StagingArea | None:
-    """Rank 0 off the driver's machine writes into a staging directory on its node."""
+def _staging_area(nodes: Mapping[int, NodeInfo], settings: CallSettings) -> files.StagingArea | None:
+    """Rank 0 off the driver's machine writes into a staging directory on its node (with ``node_staging``, the one
+    every rank on that node shares)."""
     rank_zero_node = nodes[0].node_id
-    return files.StagingArea.new(rank_zero_node) if rank_zero_node != driver_node_id() else None
+    if rank_zero_node == driver_node_id():
+        return None
+    if settings.node_staging and settings.shard_staging is not None:
+        return files.StagingArea(rank_zero_node, node_staging_name(settings.shard_staging, rank_zero_node))
+    return files.StagingArea.new(rank_zero_node)
 
 
 def weight_chunks(actors: list[Any], outputs: list[WorkerOutput | None], in_flight: int = 2) -> Iterator[Any]:

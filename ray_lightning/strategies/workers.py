@@ -198,6 +198,13 @@ def _tune_trial_id() -> str | None:
         return None
 
 
+def mixed_precision_is_stale(plugin: Any, device_type: str) -> bool:
+    """Whether Lightning's ``MixedPrecision`` ``plugin``, built on the driver, is wrong for a worker on ``device_type``:
+    made for another device, or (``16-mixed``) with the ``GradScaler`` a driver without CUDA disabled for good."""
+    scaler = getattr(plugin, "scaler", None)
+    return plugin.device != device_type or (device_type == "cuda" and scaler is not None and not scaler.is_enabled())
+
+
 def float_for_mean(tensor: Any, reduce_op: Any) -> Any:
     """``tensor`` as float64 where it is an integer tensor to average, else itself.
 
@@ -509,7 +516,7 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
         """
         plugin = self.precision_plugin
         mixed_precision = self.namespace.pl("plugins.precision.MixedPrecision")
-        if type(plugin) is mixed_precision and plugin.device != self.root_device.type:
+        if type(plugin) is mixed_precision and mixed_precision_is_stale(plugin, self.root_device.type):
             self.precision_plugin = mixed_precision(plugin.precision, self.root_device.type)
 
     def detach_worker(self) -> None:
