@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ray_lightning import (
     ClusterResourceError,
     HorovodRayStrategy,
+    RayAccelerator,
     RayDeepSpeedStrategy,
     RayFSDPStrategy,
     RayModelParallelStrategy,
@@ -132,23 +133,25 @@ def test_everything_fabric_offers_works_in_the_launched_function_of_both_package
     checkpoint = torch.load(tmp_path / "ckpt" / "state.ckpt", weights_only=False)
     assert checkpoint["step"] == 7 and "0.weight" in checkpoint["model"]
     assert _csv_values(tmp_path / "logs") == ["1.0"], "rank 0 logged once"
-    second = L.Fabric(strategy=RayStrategy(num_workers=2)).launch(use_everything, "ckpt2")
+    second = fabric.launch(use_everything, "ckpt2")
     assert second["pid"] == first["pid"], "the second launch of the same shape ran on the workers left waiting"
+    assert _csv_values(tmp_path / "logs") == ["1.0", "1.0"], "the same logger went on in the same file"
     # The other Lightning package's Fabric, by registry name (one worker, the default).
     third = lightning_fabric.Fabric(strategy="ray").launch(use_everything, "ckpt3")
     assert third["world_size"] == 1 and third["sum"] == 1.0 and third["restored_step"] == 7
 
 
-def autocast_dtype(fabric) -> str:
+def autocast_dtype(fabric, *, trainer: str) -> str:
     with fabric.autocast():
-        return str(nn.Linear(4, 1)(torch.randn(2, 4)).dtype)
+        return f"{nn.Linear(4, 1)(torch.randn(2, 4)).dtype} {trainer}"
 
 
 def test_mixed_precision_follows_the_workers_device_not_the_drivers():
     # Fabric builds its bf16 plugin on the driver for CUDA (the strategy decides the device): a CPU worker
     # must autocast on the CPU, through the same plugin object Fabric and its modules hold.
     fabric = L.Fabric(strategy=RayStrategy(num_workers=2), precision="bf16-mixed")
-    assert fabric.launch(autocast_dtype) == "torch.bfloat16"
+    # (and a keyword of the function named like the Trainer's launcher argument reaches it)
+    assert fabric.launch(autocast_dtype, trainer="mine") == "torch.bfloat16 mine"
 
 
 def fails_on_rank_one(fabric) -> None:
@@ -174,6 +177,8 @@ def test_what_cannot_work_is_refused_before_any_worker_starts():
         L.Fabric(strategy=HorovodRayStrategy(num_workers=2))
     with pytest.warns(UserWarning, match=r"accelerator='cuda'.* is ignored"):
         L.Fabric(strategy=RayStrategy(num_workers=2), accelerator="cuda")
+    classic = L.Fabric(accelerator=RayAccelerator(num_workers=2))
+    assert type(classic.strategy).__name__ == "RayFabricDDPStrategy" and classic.strategy.num_workers == 2
     impossible = RayStrategy(num_workers=2, resources_per_worker={"CPU": 1, "tpu_v9": 1})
     with pytest.raises(ClusterResourceError, match="which no node in the Ray cluster has"):
         L.Fabric(strategy=impossible).launch(train_ddp, 0.1)
