@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import signal
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,3 +33,18 @@ def run_benchmark(module: str, out: Path, timeout_s: float, *args: str) -> tuple
             benchmark.wait(timeout=120)
             pytest.fail(f"benchmarks.{module} ran over {timeout_s} s:\n{log_path.read_text()[-8000:]}")
     return code, log_path.read_text()
+
+
+def check_every_metric(
+    document: dict, markdown: str, contenders: Iterable[str], metrics: Iterable[Any], baseline: str
+) -> None:
+    """A smoke run's table: every contender once, each metric of each written, finite, with a ratio to ``baseline``."""
+    assert document["errors"] == []
+    assert list(document["table"]) == list(contenders)
+    for name, entry in document["table"].items():
+        assert entry["repeats"] == 1 and entry["label"] in markdown
+        for metric in metrics:
+            summary = entry["metrics"][metric.key]
+            assert summary is not None, (name, metric.key)
+            assert all(math.isfinite(v) and v >= 0 for v in summary["samples"]), (name, metric.key, summary)
+            assert math.isfinite(summary.get("ratio_vs_" + baseline, 0.0)), (name, metric.key)

@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.fabric_measure import BASELINE, CONTENDERS, LAUNCHES
 from benchmarks.fabric_report import METRICS, TARGETS
-from tests.benchmark_runs import run_benchmark
+from tests.benchmark_runs import check_every_metric, run_benchmark
 
 # Two fresh driver processes of two tiny launches each: about a minute on 2 quiet cores.
 BENCHMARK_TIMEOUT_S = 900
@@ -28,15 +28,7 @@ def test_fabric_benchmark_writes_every_metric_for_every_contender(tmp_path):
 
     document = json.loads((tmp_path / "smoke.json").read_text())
     markdown = (tmp_path / "smoke.md").read_text()
-    assert document["errors"] == []
-    assert list(document["table"]) == list(CONTENDERS)
-    for name, entry in document["table"].items():
-        assert entry["repeats"] == 1 and entry["label"] in markdown
-        for metric in METRICS:
-            summary = entry["metrics"][metric.key]
-            assert summary is not None, (name, metric.key)
-            assert all(math.isfinite(v) and v >= 0 for v in summary["samples"]), (name, metric.key, summary)
-            assert math.isfinite(summary.get("ratio_vs_" + BASELINE, 0.0)), (name, metric.key)
+    check_every_metric(document, markdown, CONTENDERS, METRICS, BASELINE)
     spec = document["spec"]
     for measurement in document["measurements"]:
         for launch in LAUNCHES:

@@ -7,7 +7,6 @@ it asserts no time or ratio (those depend on the machine; see benchmarks/README.
 from __future__ import annotations
 
 import json
-import math
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pytest
 from benchmarks.contenders import BASELINE
 from benchmarks.step import METRICS, TARGETS
 from benchmarks.step_measure import STEP_CONTENDERS
+from tests.benchmark_runs import check_every_metric
 from tests.conftest import ROOT
 
 # Three fresh driver processes of one small fit each: a few minutes on 2 busy cores.
@@ -41,15 +41,7 @@ def test_step_benchmark_writes_every_metric_for_every_contender(tmp_path):
 
     document = json.loads((tmp_path / "smoke.json").read_text())
     markdown = (tmp_path / "smoke.md").read_text()
-    assert document["errors"] == []
-    assert list(document["table"]) == list(STEP_CONTENDERS)
-    for name, entry in document["table"].items():
-        assert entry["repeats"] == 1 and entry["label"] in markdown
-        for metric in METRICS:
-            summary = entry["metrics"][metric.key]
-            assert summary is not None, (name, metric.key)
-            assert all(math.isfinite(v) and v >= 0 for v in summary["samples"]), (name, metric.key, summary)
-            assert math.isfinite(summary.get("ratio_vs_" + BASELINE, 0.0)), (name, metric.key)
+    check_every_metric(document, markdown, STEP_CONTENDERS, METRICS, BASELINE)
     for measurement in document["measurements"]:
         # The fit ran on every worker, with the steps asked for.
         assert measurement["fit"]["world_size"] == document["spec"]["workers"], measurement["contender"]

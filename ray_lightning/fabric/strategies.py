@@ -249,7 +249,36 @@ class RayFabricDDPStrategy(RayFabricWorkers):
         )
 
 
-class RayFabricFSDPStrategy(RayFabricWorkers):
+class RayFabricModelParallelBase(RayFabricWorkers):
+    """Fabric's ``ModelParallelStrategy`` on Ray actors, meeting in our process group, over a mesh of our layout."""
+
+    writes_to_urls = False  # Fabric's own saving: torch.save on rank 0, or torch.distributed.checkpoint's files
+
+    def model_parallel_init(self, parallelize_fn: Any, mesh_shape: tuple[int, int], saves_sharded: bool) -> None:
+        """Fabric's ``ModelParallelStrategy.__init__``, ``mesh_shape`` its (data parallel, tensor parallel) sizes."""
+        self.fabric_base().__init__(
+            self,
+            parallelize_fn=parallelize_fn,
+            data_parallel_size=mesh_shape[0],
+            tensor_parallel_size=mesh_shape[1],
+            save_distributed_checkpoint=saves_sharded,
+            process_group_backend=self.source.requested_process_group_backend,
+            timeout=self.source.ddp_timeout,
+        )
+
+    def device_mesh_now(self) -> Any:
+        """In a worker, after meeting: the device mesh ``parallelize_fn`` shards over."""
+        raise NotImplementedError
+
+    @override
+    def setup_environment(self) -> None:
+        # Fabric's would meet through MASTER_ADDR/PORT and size the mesh by the driver's devices.
+        self.accelerator.setup_device(self.root_device)
+        self.join_process_group()
+        _lightning.sharded.set_strategy_mesh(self, self.device_mesh_now())
+
+
+class RayFabricFSDPStrategy(RayFabricModelParallelBase):
     """Fabric's ``ModelParallelStrategy``, sharding as ``RayFSDPStrategy`` does: ``Fabric(strategy=RayFSDPStrategy())``.
 
     ``fabric.setup(model)`` shards the model (FSDP2, ``auto_wrap_policy`` and the other options of the
@@ -259,37 +288,27 @@ class RayFabricFSDPStrategy(RayFabricWorkers):
 
     lightning_base = "strategies.ModelParallelStrategy"
     trainer_strategy = RayFSDPStrategy
-    writes_to_urls = False  # Fabric's own saving: torch.save on rank 0, or torch.distributed.checkpoint's files
 
     @override
     def fabric_init(self, source: Any) -> None:
-        self.fabric_base().__init__(
-            self,
-            parallelize_fn=functools.partial(_shard, source),
-            data_parallel_size=self.num_workers,
-            tensor_parallel_size=1,
-            save_distributed_checkpoint=source.state_dict_type == "sharded",
-            process_group_backend=source.requested_process_group_backend,
-            timeout=source.ddp_timeout,
-        )
+        parallelize = functools.partial(_shard, source)
+        self.model_parallel_init(parallelize, (self.num_workers, 1), source.state_dict_type == "sharded")
 
     @override
-    def setup_environment(self) -> None:
+    def device_mesh_now(self) -> Any:
         # Fabric's mesh is (data parallel, tensor parallel); FSDP2 shards over a mesh of its own layout.
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.accelerator.setup_device(self.root_device)
-        self.join_process_group()
         source = self.source
         shape, names = mesh_layout(source.sharding_strategy, self.world_size, self.num_processes, self.num_nodes)
-        _lightning.sharded.set_strategy_mesh(self, init_device_mesh(self.root_device.type, shape, mesh_dim_names=names))
+        return init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
 
 
 def _shard(source: Any, module: Any, mesh: Any) -> Any:
     return source.shard(module, mesh)
 
 
-class RayFabricModelParallelStrategy(RayFabricWorkers):
+class RayFabricModelParallelStrategy(RayFabricModelParallelBase):
     """Fabric's ``ModelParallelStrategy``: ``Fabric(strategy=RayModelParallelStrategy(..., parallelize_fn=fn))``.
 
     ``fabric.setup(model)`` calls ``fn(model, device_mesh)`` on the ``(data_parallel, tensor_parallel)`` mesh
@@ -298,7 +317,6 @@ class RayFabricModelParallelStrategy(RayFabricWorkers):
 
     lightning_base = "strategies.ModelParallelStrategy"
     trainer_strategy = RayModelParallelStrategy
-    writes_to_urls = False
 
     @override
     def fabric_init(self, source: Any) -> None:
@@ -308,22 +326,12 @@ class RayFabricModelParallelStrategy(RayFabricWorkers):
                 "(module, device_mesh) -> module that fabric.setup shards the model with (as for Fabric's "
                 "ModelParallelStrategy). To shard without writing one, use RayFSDPStrategy."
             )
-        dp, tp = source.mesh_shape
-        self.fabric_base().__init__(
-            self,
-            parallelize_fn=source.parallelize_fn,
-            data_parallel_size=dp,
-            tensor_parallel_size=tp,
-            save_distributed_checkpoint=_lightning.sharded.saves_sharded_checkpoints(source),
-            process_group_backend=source.requested_process_group_backend,
-            timeout=source.ddp_timeout,
-        )
+        saves_sharded = _lightning.sharded.saves_sharded_checkpoints(source)
+        self.model_parallel_init(source.parallelize_fn, source.mesh_shape, saves_sharded)
 
     @override
-    def setup_environment(self) -> None:
-        self.accelerator.setup_device(self.root_device)
-        self.join_process_group()
-        _lightning.sharded.set_strategy_mesh(self, model_parallel_mesh(self, self.source.mesh_shape))
+    def device_mesh_now(self) -> Any:
+        return model_parallel_mesh(self, self.source.mesh_shape)
 
     @property
     @override
