@@ -63,7 +63,7 @@ def test_tied_big_weights_reach_the_workers_and_the_trained_ones_come_home(ray_l
 
 @ray.remote(num_cpus=0)
 def _unpickle_in_a_worker(payload: list) -> dict:
-    trainer, function, args, kwargs, aside = ray.get(payload[0])
+    trainer, function, args, kwargs, aside, _strategy = ray.get(payload[0])
     module = args[0]
     take_weights(aside)
     return {
