@@ -222,10 +222,11 @@ def _measure_all(
     scratch = tempfile.mkdtemp(prefix="rlb-", dir="/tmp" if os.path.isdir("/tmp") else None)
     started = time.time()
     try:
-        # As many CPUs as the workers reserve (Ray Train's controller and helper actors reserve none), and a
-        # GPU each where they train on GPUs.
+        # As many CPUs as the workers reserve (Ray Train's controller and helper actors reserve none), or those a
+        # spec asks for (Tune's trials reserve their own process too), and a GPU each where they train on GPUs.
         num_gpus = spec.workers if getattr(spec, "gpu", False) else None
-        with ray_cluster(spec.workers, os.path.join(scratch, "ray"), env, num_gpus) as address:
+        num_cpus = getattr(spec, "cluster_cpus", spec.workers)
+        with ray_cluster(num_cpus, os.path.join(scratch, "ray"), env, num_gpus) as address:
             spec_path = os.path.join(scratch, "spec.json")
             with open(spec_path, "w") as f:
                 f.write(replace(spec, ray_address=address, scratch=scratch).to_json())

@@ -1,0 +1,133 @@
+"""The Tune benchmark's tables: every metric's samples, median and spread, ratios ray_lightning / Ray Train, the goals
+judged, and the markdown."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.report import Metric, cell, summarize
+from benchmarks.tune_measure import BASELINE, CONTENDERS
+
+METRICS = (
+    Metric("search_s", "search wall time, s", ".1f"),
+    Metric("best_acc", "best final val acc", ".3f"),
+    Metric("exploits", "PBT exploits", ".0f"),
+    Metric("exploits_skipped", "exploits skipped: no checkpoint", ".0f"),
+    Metric("first_start_s", "1st trial start → 1st batch, s", ".2f"),
+    Metric("later_start_s", "later trial starts → 1st batch, s", ".2f"),
+    Metric("other_load_cores", "machine's other load, cores", ".2f"),
+)
+# How the trials started (medians over the searches): not every contender has restarts.
+STARTS = (
+    Metric("starts", "trial starts", ".0f"),
+    Metric("restarts", "of them restarts", ".0f"),
+    Metric("resumed_starts", "resumed from a checkpoint", ".0f"),
+    Metric("restart_s", "restart → 1st batch, s", ".2f"),
+)
+# (the goal, the metric, check(ratio of medians ray_lightning / Ray Train)).
+TARGETS = (
+    ("shorter search wall time", "search_s", lambda ratio: ratio < 1.0),
+    ("equal or better best accuracy (within 1%)", "best_acc", lambda ratio: ratio >= 0.99),
+    ("later trial starts reach their 1st batch sooner", "later_start_s", lambda ratio: ratio < 1.0),
+)
+_RATIO = "ratio_vs_" + BASELINE
+_NO_RATIO = ("other_load_cores",)
+
+
+def build(results: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
+    """Per contender: each metric's samples, median, spread and ratio of medians against Ray Train; trial errors."""
+    table = {}
+    for name in order:
+        runs = [r for r in results if r["contender"] == name]
+        if not runs:
+            continue
+        table[name] = {
+            "label": CONTENDERS[name].label,
+            "repeats": len(runs),
+            "metrics": {m.key: summarize([r["metrics"].get(m.key) for r in runs]) for m in METRICS + STARTS},
+            "trial_errors": [t["error"] for r in runs for t in r["trials"] if t["error"]],
+            "skipped_log": next((r["skipped_log"][0] for r in runs if r["skipped_log"]), None),
+        }
+    base = table.get(BASELINE)
+    for entry in table.values():
+        for key, summary in entry["metrics"].items():
+            reference = base["metrics"][key] if base else None
+            if key not in _NO_RATIO and summary and reference and reference["median"]:
+                summary[_RATIO] = summary["median"] / reference["median"]
+    return table
+
+
+def targets(table: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each goal for every contender but Ray Train: met, missed, or unknown (no Ray Train run)."""
+    rows = []
+    for what, key, check in TARGETS:
+        for name in (n for n in table if n != BASELINE):
+            summary = table[name]["metrics"][key] or {}
+            ratio = summary.get(_RATIO)
+            reference = ((table.get(BASELINE) or {}).get("metrics", {}).get(key) or {}).get("median")
+            status = "unknown" if ratio is None else ("met" if check(ratio) else "missed")
+            rows.append({"target": what, "contender": name, "metric": key, "value": summary.get("median"),
+                         "reference": reference, "ratio": ratio, "status": status})  # fmt: skip
+    return rows
+
+
+def _number(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else f"{value:{fmt}}"
+
+
+def _header(document: dict[str, Any]) -> list[str]:
+    spec, machine, load = document["spec"], document["machine"], document["load"]
+    other = "n/a" if load["other_cores"] is None else f"{load['other_cores']:.2f} cores"
+    return [
+        f"PBT over the learning rate (log-uniform {spec['lr_min']:g}–{spec['lr_max']:g}, SGD momentum 0.9): "
+        f"{spec['trials']} trials × {spec['workers']} workers, {spec['reports']} reports of {spec['steps']} "
+        f"optimizer steps per trial (batch {spec['batch_size']} per worker, MLP {spec['features']}-{spec['hidden']}-"
+        f"{spec['hidden']}-{spec['classes']}), perturbation_interval={spec['interval']} reports, "
+        f"every trial at once (a {spec['trials'] * (1 + spec['workers'])}-CPU Ray cluster), "
+        f"reuse_actors=True; {document['repeats']} search(es) per contender. Machine: {machine['cpus']} CPUs; "
+        f"torch {machine['torch']}, Lightning {machine['pytorch_lightning']}, Ray {machine['ray']}; "
+        f"{machine['threads_per_process']} torch thread(s) per process. Load average before the run: "
+        f"{load['loadavg_before'][0]:.2f} (1 min); the machine's other load over the run: {other}.",
+        "",
+        f"Cells: median (min–max) ×ratio of medians against {BASELINE}. search wall time = `Tuner.fit()` called → "
+        "returned; best final val acc = the best trial's last reported validation accuracy; PBT exploits = "
+        "PBT's `[Exploit] Cloning trial` log records, skipped = its `no checkpoint for trial ... Skip exploit`; "
+        "1st trial start = the search's first start of a trial's function → that trial's rank 0 starts its first "
+        "batch; later trial starts = the median of every other start (the other trials' first starts, and restarts "
+        "after a PBT pause or exploit).",
+        "",
+    ]
+
+
+def _rows(table: dict[str, Any], metrics: tuple[Metric, ...], ratios: bool) -> list[str]:
+    lines = ["| contender | " + " | ".join(m.title for m in metrics) + " |", "| --- |" + " ---: |" * len(metrics)]
+    for entry in table.values():
+        cells = [cell(entry["metrics"][m.key], m.fmt, _RATIO if ratios else None) for m in metrics]
+        lines.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown(document: dict[str, Any]) -> str:
+    table = document["table"]
+    lines = [*_header(document), *_rows(table, METRICS, True), ""]
+    lines += ["How the trials started (per search; medians): restarts = a trial's second and later starts; resumed = "
+              "rank 0's first batch came after step 0 (training went on from a checkpoint).", ""]  # fmt: skip
+    lines += _rows(table, STARTS, False)
+    if document["targets"]:
+        lines += ["", "| goal (reported, not asserted) | contender | value | Ray Train | ratio | status |",
+                  "| --- | --- | ---: | ---: | ---: | --- |"]  # fmt: skip
+        for row in document["targets"]:
+            value, against, ratio = (_number(row[k], f) for k, f in (("value", ".3g"), ("reference", ".3g"),
+                                                                      ("ratio", ".3f")))  # fmt: skip
+            label = CONTENDERS[row["contender"]].label
+            lines.append(f"| {row['target']} | {label} | {value} | {against} | {ratio} | {row['status']} |")
+    notes = [f"- {e['label']}: PBT logged `{e['skipped_log']}`" for e in table.values() if e["skipped_log"]]
+    notes += [f"- {e['label']}: a trial failed: `{err.splitlines()[0]}`" for e in table.values()
+              for err in e["trial_errors"]]  # fmt: skip
+    if notes:
+        lines += ["", *notes]
+    if document["errors"]:
+        failed = [f"- {e['contender']}, repeat {e['repeat'] + 1}: {e['error'].splitlines()[0]}"
+                  for e in document["errors"]]  # fmt: skip
+        lines += ["", "Failed measurements (the JSON has the end of each driver's log):", *failed]
+    return "\n".join(lines) + "\n"
