@@ -2,11 +2,15 @@
 
     python3 dev.py example --tune                              # via the project's command (sets up .venv)
     python3 dev.py example --tune --num-samples 8 --horovod
+    python3 dev.py example --tune --pbt                        # Population Based Training instead of ASHA
 
 The seed README's Tune example, ported to Ray 2.60: the training code lives in a function, Tune
 runs it once per sampled config, and ``get_tune_resources`` reserves each trial's process plus its
 workers. ``TuneReportCheckpointCallback`` reports the validation metrics and a checkpoint after
-every validation; an ASHA scheduler stops the worst trials early.
+every validation; an ASHA scheduler stops the worst trials early, or (``--pbt``) PBT replaces the
+worst trials' weights with the best ones' and perturbs their learning rate. A trial Tune restores
+(PBT's exploit, a retried failure) resumes inside ``trainer.fit`` from its checkpoint, with its own
+learning rate. ``reuse_actors=True`` lets each trial start on the workers of the trial before.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import sys
 
 import ray
 from ray import tune
-from ray.tune.schedulers import ASHAScheduler
+from ray.tune.schedulers import ASHAScheduler, PopulationBasedTraining
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -40,13 +44,21 @@ def train_digits(config: dict, num_workers: int = 2, max_epochs: int = 4, horovo
         enable_checkpointing=False,
     )
     model = DigitsClassifier(hidden=config["hidden"], lr=config["lr"])
-    data = DigitsDataModule(config["batch_size"])
-    checkpoint = tune.get_checkpoint()  # set when Tune restarts a failed trial
-    if checkpoint:
-        with checkpoint.as_directory() as directory:
-            trainer.fit(model, datamodule=data, ckpt_path=os.path.join(directory, "checkpoint"))
-    else:
-        trainer.fit(model, datamodule=data)
+    # A trial Tune restores (PBT's exploit, a retried failure) resumes here from its checkpoint by itself.
+    trainer.fit(model, datamodule=data_for(config))
+
+
+def data_for(config: dict) -> DigitsDataModule:
+    return DigitsDataModule(config["batch_size"])
+
+
+def scheduler_for(args: argparse.Namespace) -> ASHAScheduler | PopulationBasedTraining:
+    if args.pbt:
+        # Every 2 epochs the worst quarter of the trials take the best quarter's weights and a perturbed lr.
+        return PopulationBasedTraining(
+            perturbation_interval=2, hyperparam_mutations={"lr": tune.loguniform(1e-3, 1e-1)}, synch=True
+        )
+    return ASHAScheduler(max_t=args.max_epochs, grace_period=1, reduction_factor=2)
 
 
 def main(argv: list[str] | None = None) -> tune.ExperimentAnalysis:
@@ -55,6 +67,7 @@ def main(argv: list[str] | None = None) -> tune.ExperimentAnalysis:
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--max-epochs", type=int, default=4)
     parser.add_argument("--horovod", action="store_true", help="each trial trains with Horovod instead of DDP")
+    parser.add_argument("--pbt", action="store_true", help="Population Based Training instead of ASHA")
     parser.add_argument("--lightning", action="store_true", help="use the `lightning` package's Trainer")
     parser.add_argument("--storage-path", default=None, help="where Tune keeps results (default ~/ray_results)")
     args = parser.parse_args(argv)
@@ -81,8 +94,9 @@ def main(argv: list[str] | None = None) -> tune.ExperimentAnalysis:
         mode="min",
         config=config,
         num_samples=args.num_samples,
-        scheduler=ASHAScheduler(max_t=args.max_epochs, grace_period=1, reduction_factor=2),
+        scheduler=scheduler_for(args),
         resources_per_trial=get_tune_resources(num_workers=args.num_workers),
+        reuse_actors=True,  # the next trial starts on the workers of the one before
         storage_path=args.storage_path,
         name="tune_digits",
         verbose=1,

@@ -24,19 +24,24 @@ through Ray's object store, so they reach Tune's storage from any node, shared f
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
+import json
 import os
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+import threading
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from ray.tune import PlacementGroupFactory
 from typing_extensions import override
 
-from ray_lightning import namespaces
-from ray_lightning.channel.driver_channel import send_to_driver
+from ray_lightning import namespaces, runtime
+from ray_lightning.channel.driver_channel import ask_driver
 from ray_lightning.config.resources import resolve_worker_resources
 from ray_lightning.home import storage
 from ray_lightning.launch.placement import trial_bundles
@@ -123,10 +128,13 @@ class TuneReportCallback(*namespaces.every("callbacks.Callback")):
             not logged fails the trial with an error naming the metrics that were.
         on: the Lightning hook(s) to report at, with or without ``on_``: ``"validation_end"``
             (default), ``"train_epoch_end"``, ``["train_batch_end", "validation_end"]``, ...
+        every: report every N-th time: at batch hooks (``"train_batch_end"``) when the optimizer step count
+            (``trainer.global_step``) is a multiple of N, at the other hooks in every N-th epoch.
 
     Example::
 
         TuneReportCallback({"loss": "val_loss", "acc": "val_acc"}, on="validation_end")
+        TuneReportCallback("train_loss", on="train_batch_end", every=50)   # every 50 optimizer steps
 
     It is a ``Callback`` of ``lightning.pytorch`` and of ``pytorch_lightning`` (whichever are
     installed), so one object serves either Trainer.
@@ -139,23 +147,46 @@ class TuneReportCallback(*namespaces.every("callbacks.Callback")):
         self,
         metrics: None | str | Sequence[str] | Mapping[str, str] = None,
         on: str | Sequence[str] = "validation_end",
+        every: int = 1,
     ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a whole number >= 1 (report every N-th step or epoch), got {every!r}.")
         self._metrics = _metric_names(metrics)
         self._on = _hook_names(on)
+        self._every = every
+        self._last_step: dict[str, int] = {}
         for hook in self._on:
-            setattr(self, hook, functools.partial(self._at_hook, hook))
+            # The class's own method for that hook (the checkpoint callback's bookkeeping) runs first.
+            setattr(self, hook, functools.partial(self._at_hook, hook, getattr(self, hook)))
 
     @property
     @override
     def state_key(self) -> str:
         # Lightning counts a callback of two namespaces as stateful (its state_dict differs from one
         # namespace's Callback), and refuses two stateful callbacks with one key: the key names the settings.
-        return f"{type(self).__qualname__}{{'metrics': {self._metrics!r}, 'on': {self._on!r}}}"
+        every = f", 'every': {self._every}" if self._every != 1 else ""
+        return f"{type(self).__qualname__}{{'metrics': {self._metrics!r}, 'on': {self._on!r}{every}}}"
 
-    def _at_hook(self, hook: str, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any):
-        if trainer.sanity_checking:
+    def _at_hook(
+        self, hook: str, own: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
+    ):
+        own(trainer, pl_module, *args, **kwargs)
+        if trainer.sanity_checking or not self._due(hook, trainer):
             return
         self._report(trainer)
+
+    def _due(self, hook: str, trainer: pl.Trainer) -> bool:
+        """Whether this firing of ``hook`` is one of every N-th step (batch hooks) or epoch (the others)."""
+        if self._every == 1:
+            return True
+        if "batch" not in hook:
+            return (trainer.current_epoch + 1) % self._every == 0
+        step = trainer.global_step
+        # With gradient accumulation a batch ends without a step: the step's report is made once.
+        if step == 0 or step % self._every or self._last_step.get(hook) == step:
+            return False
+        self._last_step[hook] = step
+        return True
 
     def _collect(self, trainer: pl.Trainer) -> dict[str, Any]:
         logged = {name: _plain(value) for name, value in trainer.callback_metrics.items()}
@@ -170,8 +201,28 @@ class TuneReportCallback(*namespaces.every("callbacks.Callback")):
         return {target: logged[source] for target, source in self._metrics.items()}
 
     def _report(self, trainer: pl.Trainer) -> None:
-        if trainer.is_global_zero:
-            send_to_driver(report_to_tune, self._collect(trainer), None)
+        self._send(trainer, self._collect(trainer) if trainer.is_global_zero else {}, None)
+
+    def _send(self, trainer: pl.Trainer, metrics: dict[str, Any], checkpoint: tuple[str, bytes] | None) -> None:
+        """Rank 0 reports and waits for Tune to take it; every rank learns whether Tune stopped the trial."""
+        if runtime.current_context() is None:
+            # A Trainer in the trial's own process: Tune's stop ends the function right here, as Tune does.
+            if trainer.is_global_zero:
+                report_to_tune(metrics, checkpoint)
+            return
+        stopped = ask_driver(report_to_tune, metrics, checkpoint, True) if trainer.is_global_zero else False
+        if trainer.world_size > 1:
+            stopped = trainer.strategy.broadcast(stopped, src=0)
+        if stopped:
+            # Every rank ends fit at the same step; the workers stay for the trial Tune runs next in this process.
+            trainer.should_stop = True
+
+    @contextlib.contextmanager
+    def around_driver_call(self, trainer: pl.Trainer) -> Iterator[str | None]:
+        """On the driver, around each call (``ray_lightning.launch.payload.enter_driver_hooks``): when Tune stopped
+        the trial during it, the trial's function ends after the call, as ``ray.tune.report`` would have ended it."""
+        yield None
+        _end_if_tune_stopped()
 
 
 class TuneReportCheckpointCallback(TuneReportCallback):
@@ -180,25 +231,37 @@ class TuneReportCheckpointCallback(TuneReportCallback):
     The checkpoint is written by ``trainer.save_checkpoint`` (weights, optimizer, loops, callbacks)
     and stored by Tune with the trial; under ``RayFSDPStrategy``/``RayModelParallelStrategy`` it is
     the full checkpoint gathered on rank 0, one file whatever their ``state_dict_type``. Load it with
-    ``Model.load_from_checkpoint(os.path.join(result.checkpoint.path, filename))``; resume a trial
-    with ``ray.tune.get_checkpoint()`` and ``trainer.fit(model, ckpt_path=...)``.
+    ``Model.load_from_checkpoint(os.path.join(result.checkpoint.path, filename))``.
+
+    **A trial Tune restores resumes by itself.** When Tune starts a trial from a checkpoint this
+    callback reported (PBT/PB2 exploiting another trial, Tune's ``max_failures`` retrying one), the
+    trial's first ``trainer.fit(model)`` given no ``ckpt_path`` resumes from it: weights, optimizer
+    state (momentum buffers), epoch and step. The hyperparameters of the new trial stay in force: an
+    optimizer setting that this trial's ``configure_optimizers`` sets to another value than the trial
+    that wrote the checkpoint did (learning rate, momentum, weight decay of each param group: what PBT
+    mutated) keeps this trial's value, and a learning-rate schedule goes on from it; the module's
+    ``hparams`` are the ones it was built with. Settings both trials configured alike (a learning rate
+    a scheduler has decayed since) come from the checkpoint.
 
     Args:
         metrics: as for :class:`TuneReportCallback`.
         filename: the checkpoint file's name inside Tune's checkpoint directory.
         on: as for :class:`TuneReportCallback`.
+        every: as for :class:`TuneReportCallback`; each report carries a checkpoint, so a trial with results
+            always has one for PBT to clone.
+        resume: ``False`` to start every ``fit`` afresh (resume yourself with ``ckpt_path``).
 
     Example::
 
         def train_fn(config):
-            checkpoint = ray.tune.get_checkpoint()
             trainer = pl.Trainer(max_epochs=10, strategy=RayStrategy(num_workers=2),
                                  callbacks=[TuneReportCheckpointCallback({"loss": "val_loss"})])
-            if checkpoint:
-                with checkpoint.as_directory() as d:
-                    trainer.fit(MyModule(), ckpt_path=os.path.join(d, "checkpoint"))
-            else:
-                trainer.fit(MyModule())
+            trainer.fit(MyModule(lr=config["lr"]))   # resumes where Tune restored the trial
+
+        tune.Tuner(tune.with_resources(train_fn, get_tune_resources(num_workers=2)),
+                   tune_config=tune.TuneConfig(scheduler=PopulationBasedTraining(
+                       perturbation_interval=2, hyperparam_mutations={"lr": tune.loguniform(1e-4, 1e-1)}),
+                       metric="loss", mode="min", num_samples=4)).fit()
     """
 
     def __init__(
@@ -206,15 +269,66 @@ class TuneReportCheckpointCallback(TuneReportCallback):
         metrics: None | str | Sequence[str] | Mapping[str, str] = None,
         filename: str = "checkpoint",
         on: str | Sequence[str] = "validation_end",
+        every: int = 1,
+        resume: bool = True,
     ) -> None:
         if not isinstance(filename, str) or not filename or os.path.isabs(filename) or ".." in filename.split("/"):
             raise ValueError(f"filename must be a relative file name such as 'checkpoint', got {filename!r}.")
-        super().__init__(metrics, on)
+        if filename == MARKER_FILE:
+            raise ValueError(f"filename {MARKER_FILE!r} is the name ray_lightning gives its own note; choose another.")
+        super().__init__(metrics, on, every)
         self._filename = filename
+        self._resume = bool(resume)
+        # This fit's optimizer settings as configure_optimizers made them; the checkpoint's, when resuming.
+        self._configured: list[list[dict[str, Any]]] | None = None
+        self._restored: list[list[dict[str, Any]]] | None = None
 
     # Strategies whose own checkpoints are written by every rank (DeepSpeed's directories) refuse this
     # callback before launch: it sends Tune one file.
     sends_one_checkpoint_file = True
+
+    @contextlib.contextmanager
+    @override
+    def around_driver_call(self, trainer: pl.Trainer) -> Iterator[str | None]:
+        """Also yields the file of the checkpoint Tune restored this trial with, in the trial's first fit."""
+        fitting = trainer.state.fn == "fit"
+        checkpoint = _restored_checkpoint() if fitting and self._resume and _first_fit_of_trial() else None
+        if checkpoint is None:
+            yield None
+            _end_if_tune_stopped()
+            return
+        with checkpoint.as_directory() as directory:
+            path = _checkpoint_file(directory)
+            if path is not None:
+                say = namespaces.of(trainer).pl("utilities.rank_zero.rank_zero_info")
+                say(f"ray_lightning.tune: this trial resumes from the checkpoint Tune restored it with, {path}")
+            yield path
+        _end_if_tune_stopped()
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The optimizers exist (strategy setup ran) and no checkpoint was loaded into them yet.
+        self._configured = optimizer_settings(trainer.optimizers)
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if self._configured is not None:
+            checkpoint[SETTINGS_KEY] = self._configured
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        self._restored = checkpoint.get(SETTINGS_KEY)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning restored the optimizers (and their settings) from the checkpoint before this hook.
+        restored, self._restored = self._restored, None
+        if restored is None or self._configured is None:
+            return
+        kept = keep_configured_settings(trainer, self._configured, restored)
+        if kept and trainer.is_global_zero:
+            say = namespaces.of(trainer).pl("utilities.rank_zero.rank_zero_info")
+            say(f"ray_lightning.tune: kept this trial's optimizer settings over the checkpoint's: {'; '.join(kept)}")
 
     def _report(self, trainer: pl.Trainer) -> None:
         metrics = self._collect(trainer) if trainer.is_global_zero else {}
@@ -226,21 +340,179 @@ class TuneReportCheckpointCallback(TuneReportCallback):
             if trainer.is_global_zero:
                 buffer = io.BytesIO()
                 torch.save(checkpoint, buffer)
-                send_to_driver(report_to_tune, metrics, (self._filename, buffer.getvalue()))
+                self._send(trainer, metrics, (self._filename, buffer.getvalue()))
+            else:
+                self._send(trainer, metrics, None)
             return
         # Every rank takes part in save_checkpoint (it synchronizes them); only rank 0 writes.
         with tempfile.TemporaryDirectory(prefix="ray_lightning-tune-") as directory:
             path = os.path.join(directory, self._filename)
             trainer.save_checkpoint(path)
             storage.uploads().wait()  # with storage_path the file is written in the background
+            data = None
             if trainer.is_global_zero:
                 with open(path, "rb") as f:
                     data = f.read()
-                send_to_driver(report_to_tune, metrics, (self._filename, data))
+            self._send(trainer, metrics, (self._filename, data) if data is not None else None)
 
 
-def report_to_tune(metrics: dict[str, Any], checkpoint: tuple[str, bytes] | None) -> None:
-    """Runs in the trial's process: ``ray.tune.report``, with the checkpoint file written to a directory."""
+def report(fabric: Any, metrics: Mapping[str, Any], checkpoint_path: str | None = None) -> bool:
+    """Report to Ray Tune from inside ``fabric.launch(train)`` in a trial; every rank calls it at the same point.
+
+    Rank 0's ``metrics`` (and the checkpoint file it wrote at ``checkpoint_path``, e.g. with ``fabric.save``)
+    go to the trial's process, which reports them to Tune; each call is one ``training_iteration``.
+
+    Args:
+        fabric: the ``Fabric`` object the launched function was given.
+        metrics: plain numbers (tensors of one element are converted) by name.
+        checkpoint_path: a file rank 0 can read (a full, not a sharded, checkpoint), reported with the metrics;
+            it reaches Tune's storage from any node. Tune's ``get_checkpoint()`` in the trial's function then
+            holds it under its own name.
+
+    Returns:
+        True on every rank when Tune has stopped the trial (a scheduler's decision): leave the training loop.
+
+    Example::
+
+        def train(fabric, config):
+            ...
+            for epoch in range(10):
+                ...
+                fabric.save("last.ckpt", {"model": model, "optimizer": optimizer})
+                if ray_lightning.tune.report(fabric, {"loss": loss.item()}, checkpoint_path="last.ckpt"):
+                    break
+
+        def trial(config):
+            L.Fabric(strategy=RayStrategy(num_workers=2)).launch(train, config)
+    """
+    stopped = False
+    if fabric.global_rank == 0:
+        plain = {name: _plain(value) for name, value in metrics.items()}
+        checkpoint = None
+        if checkpoint_path is not None:
+            if not os.path.isfile(checkpoint_path):
+                raise FileNotFoundError(f"checkpoint_path={checkpoint_path!r} is not a file rank 0 can read.")
+            with open(checkpoint_path, "rb") as f:
+                checkpoint = (os.path.basename(checkpoint_path), f.read())
+        stopped = ask_driver(report_to_tune, plain, checkpoint, runtime.current_context() is not None)
+    if fabric.world_size > 1:
+        stopped = fabric.broadcast(stopped, src=0)
+    return bool(stopped)
+
+
+# The note beside the checkpoint file in each directory reported to Tune: which file it is.
+MARKER_FILE = ".ray_lightning_tune.json"
+# Where a checkpoint keeps the optimizer settings configure_optimizers made in the fit that wrote it.
+SETTINGS_KEY = "ray_lightning_tune_optimizer_settings"
+
+# The Tune function runs (each a thread of the trial's process) whose first fit has started: only that fit
+# resumes by itself; a later fit of the same run is the user's next step, not a restore.
+_fitted_runs: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def _first_fit_of_trial() -> bool:
+    run = threading.current_thread()
+    first = run not in _fitted_runs
+    _fitted_runs.add(run)
+    return first
+
+
+def _restored_checkpoint() -> Any:
+    """The checkpoint this Tune trial was started from, or None (also outside Tune)."""
+    from ray import tune
+
+    with warnings.catch_warnings():
+        # Outside a trial Tune warns and answers None: a fit outside Tune is not a misuse here.
+        warnings.simplefilter("ignore")
+        return tune.get_checkpoint()
+
+
+def _checkpoint_file(directory: str) -> str | None:
+    """The checkpoint file in a directory this module reported to Tune, or None for anyone else's."""
+    try:
+        with open(os.path.join(directory, MARKER_FILE)) as f:
+            filename = json.load(f)["filename"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    path = os.path.join(directory, filename)
+    return path if os.path.isfile(path) else None
+
+
+def optimizer_settings(optimizers: Sequence[Any]) -> list[list[dict[str, Any]]]:
+    """Each optimizer's param groups' settings (everything but the parameters) that are plain values."""
+    return [
+        [{k: v for k, v in group.items() if k != "params" and _is_setting(v)} for group in optimizer.param_groups]
+        for optimizer in optimizers
+    ]
+
+
+def _is_setting(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_is_setting(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def keep_configured_settings(
+    trainer: pl.Trainer, configured: list[list[dict[str, Any]]], restored: list[list[dict[str, Any]]]
+) -> list[str]:
+    """After Lightning loaded the optimizers' states: each setting this fit configured otherwise than the fit
+    that wrote the checkpoint takes this fit's value again. Returns what was kept, for the log."""
+    kept = []
+    schedulers = [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", [])]
+    for index, (optimizer, mine, theirs) in enumerate(zip(trainer.optimizers, configured, restored)):
+        for group_index, (group, own, other) in enumerate(zip(optimizer.param_groups, mine, theirs)):
+            changed = {k: v for k, v in own.items() if k in other and other[k] != v and k in group}
+            for key, value in changed.items():
+                if key == "lr" and isinstance(group[key], float) and other[key]:
+                    # A schedule's progress since the start stays: the new rate scaled as the old one was.
+                    group[key] = value * group[key] / other[key]
+                    _rebase_schedulers(schedulers, optimizer, group_index, value)
+                else:
+                    group[key] = value
+                kept.append(f"optimizer {index} group {group_index} {key}={group[key]!r} (checkpoint: {other[key]!r})")
+    return kept
+
+
+def _rebase_schedulers(schedulers: list[Any], optimizer: Any, group_index: int, lr: float) -> None:
+    """Schedulers compute from their base rates, which loading restored to the checkpoint's."""
+    for scheduler in schedulers:
+        if getattr(scheduler, "optimizer", None) is optimizer and hasattr(scheduler, "base_lrs"):
+            scheduler.base_lrs[group_index] = lr
+
+
+# The Tune function runs that Tune stopped during a ray_lightning call: they end when the call returns.
+_stopped_runs: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def _end_if_tune_stopped() -> None:
+    run = threading.current_thread()
+    if run in _stopped_runs:
+        _stopped_runs.discard(run)
+        raise SystemExit(0)
+
+
+def report_to_tune(metrics: dict[str, Any], checkpoint: tuple[str, bytes] | None, until_stopped: bool = False) -> bool:
+    """Runs in the trial's process: ``ray.tune.report``, with the checkpoint file written to a directory.
+
+    Tune stops a trial (a scheduler's decision, the end of the search) by ending its function inside
+    ``report``. With ``until_stopped`` that end waits: this returns True, the workers end ``fit`` at the
+    report's step, and the function ends after the call (:func:`_end_if_tune_stopped`). Returns False
+    while the trial goes on.
+    """
+    run = threading.current_thread()
+    if run in _stopped_runs:
+        return True  # a rank reporting again before fit ended (min_epochs): Tune has ended the trial
+    try:
+        _report(metrics, checkpoint)
+    except SystemExit:
+        if not until_stopped:
+            raise
+        _stopped_runs.add(run)
+        return True
+    return False
+
+
+def _report(metrics: dict[str, Any], checkpoint: tuple[str, bytes] | None) -> None:
     from ray import tune
 
     if checkpoint is None:
@@ -252,6 +524,8 @@ def report_to_tune(metrics: dict[str, Any], checkpoint: tuple[str, bytes] | None
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.write(data)
+        with open(os.path.join(directory, MARKER_FILE), "w") as f:
+            json.dump({"filename": filename}, f)
         # Tune copies the directory into the trial's storage before report returns.
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(directory))
 

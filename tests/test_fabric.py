@@ -381,19 +381,26 @@ def test_files_ranks_write_on_other_nodes_come_home(tmp_path):
     assert came_home and came_home < set(parts) and any(p.endswith(".distcp") for p in came_home), came_home
 
 
-def reports_to_tune(fabric) -> float:
-    return float(fabric.all_reduce(torch.tensor(float(fabric.global_rank + 1)), reduce_op="sum"))
+def reports_to_tune(fabric, scale: float, directory: str) -> int:
+    from ray_lightning.tune import report
+
+    total = float(fabric.all_reduce(torch.tensor(float(fabric.global_rank + 1)), reduce_op="sum"))
+    path = os.path.join(directory, "fabric-tune.ckpt")
+    for step in range(1, 4):
+        fabric.save(path, {"step": step})
+        if report(fabric, {"total": total * scale, "step": step}, checkpoint_path=path):
+            return step  # Tune stopped the trial: every rank leaves the loop here
+    return 3
 
 
 def fabric_trial(config):
-    from ray import tune
-
-    total = L.Fabric(strategy=RayStrategy(num_workers=2)).launch(reports_to_tune)
-    tune.report({"total": total * config["scale"]})
+    steps = L.Fabric(strategy=RayStrategy(num_workers=2)).launch(reports_to_tune, config["scale"], config["dir"])
+    with open(os.path.join(config["dir"], "steps"), "w") as f:
+        f.write(str(steps))
 
 
 @pytest.mark.usefixtures("no_waiting_workers")
-def test_a_fabric_launch_runs_inside_a_tune_trial_on_its_bundles(tmp_path):
+def test_a_fabric_launch_in_a_tune_trial_reports_from_its_function_until_tune_stops_it(tmp_path):
     from ray import tune
 
     from ray_lightning.tune import get_tune_resources
@@ -402,11 +409,15 @@ def test_a_fabric_launch_runs_inside_a_tune_trial_on_its_bundles(tmp_path):
         warnings.simplefilter("ignore", DeprecationWarning)
         analysis = tune.run(
             fabric_trial,
-            config={"scale": 10.0},
+            config={"scale": 10.0, "dir": str(tmp_path)},
             resources_per_trial=get_tune_resources(num_workers=2),
+            stop={"training_iteration": 2},
             storage_path=str(tmp_path / "tune"),
             verbose=0,
         )
     (trial,) = analysis.trials
-    assert trial.last_result["total"] == 30.0, trial.last_result
+    assert trial.last_result["total"] == 30.0 and trial.last_result["step"] == 2, trial.last_result
+    assert (tmp_path / "steps").read_text() == "2", "the function went on after Tune stopped the trial"
+    saved = torch.load(os.path.join(trial.checkpoint.path, "fabric-tune.ckpt"), weights_only=False)
+    assert saved == {"step": 2}
     wait_for(lambda: not alive_worker_actors(), 30, "the trial's workers to be stopped")

@@ -11,11 +11,10 @@ import pytorch_lightning as pl
 import ray
 import torch
 from ray import tune
-from ray.tune.schedulers import ASHAScheduler
 
 from ray_lightning import HorovodRayStrategy, RayStrategy
 from ray_lightning.tune import TuneReportCallback, TuneReportCheckpointCallback, get_tune_resources
-from tests.conftest import SESSION_CPUS, alive_worker_actors, wait_for
+from tests.conftest import alive_worker_actors, wait_for
 from tests.models import BoringModel
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -70,11 +69,48 @@ def test_callback_arguments_are_checked_at_once():
         TuneReportCheckpointCallback(on=5)
     with pytest.raises(ValueError, match="relative file name"):
         TuneReportCheckpointCallback(filename="/abs/checkpoint")
+    for every in (0, 1.5, True):
+        with pytest.raises(ValueError, match=r"every must be a whole number >= 1 .*got"):
+            TuneReportCheckpointCallback(every=every)
+    with pytest.raises(ValueError, match="ray_lightning gives its own note"):
+        TuneReportCheckpointCallback(filename=".ray_lightning_tune.json")
     both = TuneReportCallback("val_loss", on=["train_epoch_end", "on_validation_end"])
     assert callable(both.on_train_epoch_end) and callable(both.on_validation_end)
     # Several reporting callbacks in one Trainer are fine (they hold no state to tell apart).
     trainer = pl.Trainer(callbacks=[both, TuneReportCallback("val_loss"), TuneReportCheckpointCallback()], logger=False)
     assert sum(isinstance(cb, TuneReportCallback) for cb in trainer.callbacks) == 3
+
+
+def test_a_restored_fit_keeps_the_optimizer_settings_it_configured_otherwise_than_the_checkpoint():
+    """PBT's mutated lr and weight decay win over the checkpoint's; a scheduler's decay since the start stays."""
+    from types import SimpleNamespace
+
+    from ray_lightning.tune import keep_configured_settings, optimizer_settings
+
+    def configured(lr: float, weight_decay: float):
+        weights = [torch.nn.Parameter(torch.zeros(1))]
+        optimizer = torch.optim.SGD(weights, lr=lr, momentum=0.9, weight_decay=weight_decay)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return SimpleNamespace(optimizers=[optimizer], lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)])
+
+    source = configured(lr=0.1, weight_decay=0.0)
+    source_settings = optimizer_settings(source.optimizers)
+    source.optimizers[0].step()
+    source.lr_scheduler_configs[0].scheduler.step()  # decayed to 0.05
+    trial = configured(lr=0.02, weight_decay=0.01)
+    trial_settings = optimizer_settings(trial.optimizers)
+    # What Lightning's restore does: the checkpoint's optimizer and scheduler states over the new ones.
+    trial.optimizers[0].load_state_dict(source.optimizers[0].state_dict())
+    trial.lr_scheduler_configs[0].scheduler.load_state_dict(source.lr_scheduler_configs[0].scheduler.state_dict())
+    assert trial.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05)
+
+    kept = keep_configured_settings(trial, trial_settings, source_settings)
+    group = trial.optimizers[0].param_groups[0]
+    assert group["lr"] == pytest.approx(0.01), "the new rate, decayed as far as the checkpoint's had been"
+    assert group["weight_decay"] == 0.01 and group["momentum"] == 0.9
+    assert trial.lr_scheduler_configs[0].scheduler.base_lrs == [0.02]
+    assert any("lr=" in k for k in kept) and any("weight_decay=0.01" in k for k in kept)
+    assert keep_configured_settings(trial, trial_settings, trial_settings) == [], "same settings: nothing to keep"
 
 
 # -- Tune runs ------------------------------------------------------------------------------------
@@ -168,12 +204,8 @@ def train_fail_once_then_resume(config):
             return super().training_step(batch, batch_idx)
 
     trainer = _trainer([TuneReportCheckpointCallback({"loss": "val_loss", "epoch": "epoch_seen"})], max_epochs=4)
-    checkpoint = tune.get_checkpoint()
-    if checkpoint:
-        with checkpoint.as_directory() as directory:
-            trainer.fit(FailOnce(), ckpt_path=os.path.join(directory, "checkpoint"))
-    else:
-        trainer.fit(FailOnce())
+    # No resume code: the retried trial's fit starts from the checkpoint Tune restored it with.
+    trainer.fit(FailOnce())
 
 
 def test_failed_trial_resumes_from_its_last_checkpoint(tmp_path):
@@ -191,26 +223,6 @@ def test_failed_trial_resumes_from_its_last_checkpoint(tmp_path):
     assert (tmp_path / "epochs").read_text().split() == ["start", "0", "1", "2", "start", "2", "3"]
     assert trial.last_result["epoch"] == 3.0
     assert trial.last_result["training_iteration"] == 4
-
-
-def test_asha_stops_bad_trials_and_their_workers_are_gone(tmp_path):
-    analysis = tune.run(
-        train_boring,
-        config={"lr": tune.grid_search([0.05, 0.0, 0.0, 0.0])},
-        metric="loss",
-        mode="min",
-        scheduler=ASHAScheduler(max_t=3, grace_period=1, reduction_factor=2),
-        resources_per_trial=get_tune_resources(num_workers=2),
-        storage_path=str(tmp_path),
-        verbose=0,
-    )
-    iterations = {t.trial_id: t.last_result["training_iteration"] for t in analysis.trials}
-    assert max(iterations.values()) == 3
-    assert min(iterations.values()) < 3, f"ASHA stopped no trial: {iterations}"
-    assert analysis.best_config == {"lr": 0.05}
-
-    wait_for(lambda: not alive_worker_actors(), 60, "stopped trials' worker actors to be gone")
-    wait_for(lambda: ray.available_resources().get("CPU", 0) == SESSION_CPUS, 60, "the trials' CPUs to be free again")
 
 
 @ray.remote(num_cpus=0)
@@ -298,10 +310,12 @@ def test_trial_errors_say_what_to_fix(train_fn, resources, message, tmp_path):
     wait_for(lambda: not alive_worker_actors(), 60, "the failed trial's worker actors to be gone")
 
 
-def test_tune_example_prints_the_best_hyperparameters(tmp_path, capsys):
+@pytest.mark.parametrize("scheduler", [[], ["--pbt"]], ids=["asha", "pbt"])
+def test_tune_example_prints_the_best_hyperparameters(scheduler, tmp_path, capsys):
     from examples.tune_digits import main
 
-    analysis = main(["--num-samples", "2", "--max-epochs", "2", "--storage-path", str(tmp_path)])
+    epochs = "3" if scheduler else "2"  # PBT perturbs at epoch 2
+    analysis = main(["--num-samples", "2", "--max-epochs", epochs, "--storage-path", str(tmp_path), *scheduler])
     out = capsys.readouterr().out
     assert "Best hyperparameters found were: " in out
     assert set(analysis.best_config) == {"hidden", "lr", "batch_size"}

@@ -9,11 +9,18 @@ polling), in the order sent, and runs whatever is left before ``fit`` returns.
 The channel is a :class:`ray.util.queue.Queue` (an extra actor, kept with the worker group). It
 also carries each rank's progress reports (:mod:`.heartbeat`) to the launcher's watchdog, and rank 0's
 recovery checkpoints (:func:`send_object_to_driver`) to the launcher's recovery.
+
+:func:`ask_driver` waits for the driver's answer (a Tune trial's report: whether Tune lets the trial
+go on). The answer comes back through Ray's internal key-value store under a key made for that one
+question: the workers' actors run one call at a time, so the driver cannot call into rank 0 while it
+trains, and a second queue actor per call would cost a process start for every group.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -23,10 +30,15 @@ from ray.util.queue import Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ray_lightning import runtime
+from ray_lightning._ray.kv import kv_delete, kv_get, kv_put
 from ray_lightning.channel.heartbeat import ProgressReport
 
 _END = "ray_lightning: end of driver calls"
 _OBJECT = "ray_lightning.object"
+_ANSWERS = "ray_lightning_answers"  # the key-value namespace of ask_driver's answers
+# How long rank 0 waits for the driver's answer by default (a Tune report waits for Tune's controller).
+ANSWER_TIMEOUT_S = 300.0
+_ANSWER_POLL_S = 0.005
 
 
 def send_to_driver(function: Callable[..., Any], *args: Any) -> None:
@@ -41,6 +53,31 @@ def send_to_driver(function: Callable[..., Any], *args: Any) -> None:
     else:
         # Pickled here: the queue actor then holds bytes and never imports what the call needs.
         queue.put(cloudpickle.dumps((function, args)))
+
+
+def ask_driver(function: Callable[..., Any], *args: Any, timeout_s: float = ANSWER_TIMEOUT_S) -> Any:
+    """Run ``function(*args)`` in the driver, in order with :func:`send_to_driver`'s calls, and return its result.
+
+    A ``function`` that raises fails the call on the driver (as with :func:`send_to_driver`); here it raises
+    a ``RuntimeError`` naming it. Waiting longer than ``timeout_s`` raises ``TimeoutError``.
+    """
+    context = runtime.current_context()
+    queue = context.driver_queue if context is not None else None
+    if queue is None:
+        return function(*args)
+    key = f"answer-{uuid.uuid4().hex}"
+    queue.put(cloudpickle.dumps((function, args, key)))
+    deadline = time.monotonic() + timeout_s
+    while (raw := kv_get(key, namespace=_ANSWERS)) is None:
+        if time.monotonic() > deadline:
+            name = getattr(function, "__qualname__", repr(function))
+            raise TimeoutError(f"rank 0 waited {timeout_s:g} s for the driver to answer {name}(...); it did not.")
+        time.sleep(_ANSWER_POLL_S)
+    kv_delete(key, namespace=_ANSWERS)
+    ok, value = cloudpickle.loads(raw)
+    if not ok:
+        raise RuntimeError(f"the driver failed to run {getattr(function, '__qualname__', function)}: {value}")
+    return value
 
 
 def send_object_to_driver(header: Any, value: Any) -> None:
@@ -109,8 +146,17 @@ class DriverChannel:
             if self.on_object is not None:
                 self.on_object(cloudpickle.loads(item[1]), item[2][0])
             return
-        function, args = cloudpickle.loads(item)
-        function(*args)
+        function, args, *answer_key = cloudpickle.loads(item)
+        if not answer_key:
+            function(*args)
+            return
+        try:
+            result = function(*args)
+        except BaseException as error:
+            # The asking rank learns of it at once; the error itself fails the call here.
+            kv_put(answer_key[0], cloudpickle.dumps((False, f"{type(error).__name__}: {error}")), namespace=_ANSWERS)
+            raise
+        kv_put(answer_key[0], cloudpickle.dumps((True, result)), namespace=_ANSWERS)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

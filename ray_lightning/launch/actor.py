@@ -12,10 +12,13 @@ the same process (:mod:`.idle_pool`), unless code it imported changed (:meth:`Ra
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import ray
+import torch
 
 from ray_lightning.home.results import WorkerOutput
 from ray_lightning.launch.call import WorkerCall, imported_code_files, mtime
@@ -46,6 +49,8 @@ class RayWorker:
         self._code_files: dict[str, float] = {}
         self._unfinished: WorkerCall | None = None  # see finish_call
         self._weights: list[Any] = []  # chunks of the last call's trained weights, until the driver takes them
+        # torch's generator as a new process has it (a fixed default seed), for every later call (finish_call).
+        self._fresh_torch_random = torch.get_rng_state()
 
     def __repr__(self) -> str:
         # Ray prefixes the lines an actor prints with its repr: "(rank 1 pid=...) Epoch 0: ...".
@@ -116,3 +121,8 @@ class RayWorker:
         if call is not None:
             self._store = None
             call.finish()
+            # The next call (a notebook's next fit, Tune's next trial) draws what a new process would: nothing
+            # of this call's random state carries over to a call that sets no seed.
+            random.seed()
+            np.random.seed()
+            torch.set_rng_state(self._fresh_torch_random)

@@ -10,7 +10,10 @@ Decisions:
   it holds resources the new call may need.
 - A waiting group holds its reservation (CPUs, GPUs) for ``keep_workers_alive_s`` (default 60 s),
   then is stopped; ``keep_workers_alive_s=0`` stops workers after every call, as before.
-- Groups started inside someone else's placement group (a Tune trial's) are never kept.
+- Groups started inside someone else's placement group (a Tune trial's) are kept for the next call
+  inside that same placement group only: Tune hands a reused trial actor (``reuse_actors=True``)
+  the same reservation, so the next trial's ``fit`` starts on the same processes. When Tune ends
+  the trial's actor instead, the workers end with it (Ray ends actors with their owner).
 - A failed call stops its workers: a process that failed may be in any state.
 - :func:`release_idle_workers` stops a waiting group now.
 """
@@ -31,22 +34,25 @@ if TYPE_CHECKING:
 REUSE_CHECK_TIMEOUT_S = 30.0
 
 _lock = threading.Lock()
-_idle: tuple[WorkerResources, WorkerGroup, threading.Timer] | None = None
+# (what the group was asked for: the request and the placement group it was started inside, if any; it; its timer)
+_idle: tuple[tuple[WorkerResources, Any], WorkerGroup, threading.Timer] | None = None
 
 
-def keep(request: WorkerResources, group: WorkerGroup, seconds: float) -> None:
-    """Keep ``group`` for the next call asking for ``request``; stop it after ``seconds`` unused."""
+def keep(request: WorkerResources, group: WorkerGroup, seconds: float, within: Any = None) -> None:
+    """Keep ``group`` for the next call asking for ``request`` (inside placement group ``within``, if one);
+    stop it after ``seconds`` unused."""
     global _idle
     timer = threading.Timer(seconds, _expire, args=(group,))
     timer.daemon = True
     with _lock:
-        replaced, _idle = _idle, (request, group, timer)
+        replaced, _idle = _idle, ((request, _group_id(within)), group, timer)
     _stop(replaced)
     timer.start()
 
 
-def take(request: WorkerResources) -> WorkerGroup | None:
-    """The waiting group if it matches ``request`` and can run another call; else None (and none waits)."""
+def take(request: WorkerResources, within: Any = None) -> WorkerGroup | None:
+    """The waiting group if it matches ``request`` (and was started inside ``within``) and can run another
+    call; else None (and none waits)."""
     global _idle
     with _lock:
         waiting, _idle = _idle, None
@@ -55,7 +61,7 @@ def take(request: WorkerResources) -> WorkerGroup | None:
     kept_for, group, timer = waiting
     timer.cancel()
     try:
-        usable = kept_for == request and _still_usable(group)
+        usable = kept_for == (request, _group_id(within)) and _still_usable(group)
     except BaseException:  # Ctrl-C while asking: the group is no one's now
         group.shutdown()
         raise
@@ -79,7 +85,11 @@ def release_idle_workers() -> None:
     _stop(waiting)
 
 
-def _stop(waiting: tuple[WorkerResources, WorkerGroup, threading.Timer] | None) -> None:
+def _group_id(pg: Any) -> Any:
+    return None if pg is None else pg.id
+
+
+def _stop(waiting: tuple[Any, WorkerGroup, threading.Timer] | None) -> None:
     if waiting is not None:
         waiting[2].cancel()
         waiting[1].shutdown()

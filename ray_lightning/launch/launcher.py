@@ -3,7 +3,9 @@
 For every ``fit``/``validate``/``test``/``predict`` it
 
 1. connects to Ray (a local one is started if none is running) (:mod:`.session`),
-2. puts the Trainer, the module and the arguments into the object store once (:mod:`.payload`),
+2. enters the callbacks' driver hooks (a ``fit`` given no ``ckpt_path`` resumes from the checkpoint a
+   restored Tune trial started with), puts the Trainer, the module and the arguments into the object
+   store once (:mod:`.payload`),
 3. takes the workers the last call of this process left waiting, if they match (:mod:`.idle_pool`);
    otherwise reserves the request, waiting while the autoscaler adds nodes (:mod:`.placement`), and
    starts one actor per worker (:mod:`.worker_group`),
@@ -21,6 +23,7 @@ For every ``fit``/``validate``/``test``/``predict`` it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import deque
@@ -53,6 +56,7 @@ from ray_lightning.launch.payload import (
     check_checkpoint_exists,
     checkpoint_argument,
     checkpoint_files,
+    enter_driver_hooks,
     given_checkpoint,
     prepare_arguments,
     put_payload,
@@ -137,13 +141,15 @@ class RayLauncher(*_lightning.launcher_bases()):
         if trainer is not None:
             self._strategy.check_trainer(trainer)
         ensure_ray_initialized()
-        check_checkpoint_exists(function, args, kwargs)
-        ends = prepare_arguments(trainer, args, kwargs, self._strategy.resources)
-        try:
-            return self._launch(function, args, kwargs, trainer)
-        finally:
-            for end in ends:
-                end()
+        with contextlib.ExitStack() as stack:
+            args, kwargs = enter_driver_hooks(function, args, kwargs, trainer, stack)
+            check_checkpoint_exists(function, args, kwargs)
+            ends = prepare_arguments(trainer, args, kwargs, self._strategy.resources)
+            try:
+                return self._launch(function, args, kwargs, trainer)
+            finally:
+                for end in ends:
+                    end()
 
     def _launch(self, function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer | None) -> Any:
         # With storage_path: the run's folder, checked writable; the Trainer's directories are placed in it.
@@ -240,15 +246,15 @@ class RayLauncher(*_lightning.launcher_bases()):
             self._running.shutdown()
 
     def _acquire_group(self) -> WorkerGroup:
-        """The workers for this call: a Tune trial's bundles, the last call's idle workers, or new ones."""
+        """The workers for this call: the last call's idle workers, a Tune trial's bundles, or new ones."""
         workers = self._strategy.workers
         request, timeouts = workers.resources, workers.timeouts
         enclosing = get_current_placement_group()
-        if enclosing is not None:
+        group = idle_pool.take(request, within=enclosing)
+        if group is None and enclosing is not None:
             # After a node loss, the trial's lost bundles are placed again (maybe on a node the autoscaler adds).
             wait_s = max(timeouts.placement_s, timeouts.scale_up_s)
             return WorkerGroup.start(TrialPlacement.within(enclosing, request, wait_s), request)
-        group = idle_pool.take(request)
         if group is None:
             say = namespaces.of(self._strategy).pl("utilities.rank_zero.rank_zero_info")
             placement = OwnPlacement.reserve(request, timeouts.placement_s, timeouts.scale_up_s, say)
@@ -305,8 +311,10 @@ class RayLauncher(*_lightning.launcher_bases()):
         """After a call that succeeded: leave the workers for the next call, or stop them."""
         workers = self._strategy.workers
         keep_s = workers.timeouts.keep_alive_s
-        if group.owns_placement and keep_s > 0:
-            idle_pool.keep(workers.resources, group, keep_s)
+        if keep_s > 0:
+            # Inside a Tune trial's placement group: for the next trial that Tune runs in this process with it.
+            within = None if group.owns_placement else group.placement.pg
+            idle_pool.keep(workers.resources, group, keep_s, within=within)
         else:
             group.shutdown()
 

@@ -7,6 +7,7 @@ file) instead of pickle's bare message.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from collections.abc import Callable
@@ -36,6 +37,31 @@ def _given_checkpoint(function: Callable, args: tuple, kwargs: dict) -> Any:
         return inspect.signature(function).bind_partial(*args, **kwargs).arguments.get("ckpt_path")
     except (TypeError, ValueError):
         return None
+
+
+def enter_driver_hooks(
+    function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer | None, stack: contextlib.ExitStack
+) -> tuple[tuple, dict]:
+    """Callbacks that take part on the driver, around the whole call; a ``fit`` given no ``ckpt_path`` resumes
+    from the checkpoint one of them names.
+
+    A callback takes part with an ``around_driver_call(trainer)`` method: a context manager entered here, on
+    the driver, before anything starts, and left when ``stack`` closes, after the workers' results are home
+    (it may raise then: a Tune trial that Tune stopped ends). It yields a checkpoint file's path, or None
+    (``ray_lightning.tune``'s callback yields the checkpoint Tune restored the trial with).
+    """
+    if trainer is None:
+        return args, kwargs
+    resume = trainer.state.fn == namespaces.FITTING and not _given_checkpoint(function, args, kwargs)
+    for callback in trainer.callbacks:
+        around = getattr(callback, "around_driver_call", None)
+        if around is None:
+            continue
+        path = stack.enter_context(around(trainer))
+        if path is not None and resume:
+            args, kwargs = with_checkpoint_path(function, args, kwargs, path)
+            resume = False
+    return args, kwargs
 
 
 def _names_a_checkpoint(path: str) -> bool:
@@ -217,7 +243,7 @@ def _read_checkpoint(path: str) -> bytes | dict[str, bytes]:
 
 
 def with_checkpoint_path(function: Callable, args: tuple, kwargs: dict, path: str) -> tuple[tuple, dict]:
-    """In a worker: ``args``/``kwargs`` of ``function`` with its ``ckpt_path`` argument replaced by ``path``."""
+    """``args``/``kwargs`` of ``function`` with its ``ckpt_path`` argument replaced by ``path``."""
     bound = inspect.signature(function).bind_partial(*args, **kwargs)
     bound.arguments["ckpt_path"] = path
     return bound.args, bound.kwargs
