@@ -56,7 +56,10 @@ def scheduler_for(args: argparse.Namespace) -> ASHAScheduler | PopulationBasedTr
     if args.pbt:
         # Every 2 epochs the worst quarter of the trials take the best quarter's weights and a perturbed lr.
         return PopulationBasedTraining(
-            perturbation_interval=2, hyperparam_mutations={"lr": tune.loguniform(1e-3, 1e-1)}, synch=True
+            time_attr="training_iteration",  # epochs (the default, seconds, depends on the machine)
+            perturbation_interval=2,
+            hyperparam_mutations={"lr": tune.loguniform(1e-3, 1e-1)},
+            synch=True,
         )
     return ASHAScheduler(max_t=args.max_epochs, grace_period=1, reduction_factor=2)
 

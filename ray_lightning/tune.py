@@ -17,9 +17,12 @@ Example::
 How it works: the trial's function runs in the trial's own process, which becomes the driver of
 the workers; :func:`get_tune_resources` reserves the trial's process and its workers as one
 placement group, and the launcher starts the workers in that group's bundles. The callbacks run
-on rank 0, where the metrics are, and send them with :func:`ray_lightning.channel.driver_channel.send_to_driver`
-to the trial's process, the only place ``ray.tune.report`` works. Checkpoints travel as bytes
-through Ray's object store, so they reach Tune's storage from any node, shared filesystem or not.
+on rank 0, where the metrics are, and send them with :func:`ray_lightning.channel.driver_channel.ask_driver`
+to the trial's process, the only place ``ray.tune.report`` works; its answer (did Tune stop the
+trial?) reaches every rank, which then end ``fit`` together. Checkpoints travel as bytes through
+Ray's object store, so they reach Tune's storage from any node, shared filesystem or not. A trial
+Tune restores resumes inside ``fit`` (:class:`TuneReportCheckpointCallback`), and its workers stay
+for the next trial Tune runs in the same process (``reuse_actors=True``).
 """
 
 from __future__ import annotations
@@ -260,7 +263,8 @@ class TuneReportCheckpointCallback(TuneReportCallback):
 
         tune.Tuner(tune.with_resources(train_fn, get_tune_resources(num_workers=2)),
                    tune_config=tune.TuneConfig(scheduler=PopulationBasedTraining(
-                       perturbation_interval=2, hyperparam_mutations={"lr": tune.loguniform(1e-4, 1e-1)}),
+                       time_attr="training_iteration", perturbation_interval=2,
+                       hyperparam_mutations={"lr": tune.loguniform(1e-4, 1e-1)}),
                        metric="loss", mode="min", num_samples=4)).fit()
     """
 
