@@ -47,11 +47,13 @@ class DataSpec:
     # Set by the harness: the Ray cluster to connect to and a directory for the ranks' files and Ray Train.
     ray_address: str = ""
     scratch: str = ""
+    # Tiny sizes (the smoke test's): what only costs time goes (`benchmarks.measure.measurement_main`).
+    smoke: bool = False
 
     @classmethod
     def tiny(cls) -> DataSpec:
         """Sizes for the smoke test: every code path, seconds of compute."""
-        return cls(rows=2 * 16 * 6, batch_size=16, warmup=2, image=16, crop=12, work=2, block_rows=16)
+        return cls(rows=2 * 16 * 6, batch_size=16, warmup=2, image=16, crop=12, work=2, block_rows=16, smoke=True)
 
     @property
     def steps(self) -> int:

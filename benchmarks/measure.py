@@ -12,6 +12,7 @@ Started by :mod:`benchmarks.run`, once per contender and repeat. In this process
 4. the driver's peak RSS, then the in-memory copy floor of the same state dict.
 
 Lightning's ``ddp`` re-runs this command line for ranks > 0: they run the same fits and write nothing.
+With tiny sizes (``spec.smoke``) the weights-back fit is fit #2 itself (:func:`fit_plan`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import os
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,6 +33,11 @@ from benchmarks.contenders import CONTENDERS, Contender
 from benchmarks.workload import BenchModule, Spec, WeightsModule, read_clock
 
 _FLOOR_TRIES = 3
+# Tiny sizes (the smoke tests) measure nothing, so what only costs them time goes: Ray Train's controller polls its
+# workers every 0.2 s instead of every 2 (it sees a worker group start, end or fail sooner) and starts no preemption
+# watcher (one more actor process, started on the way to every worker group's start). The driver's environment: Ray
+# Train passes these on to its controller.
+SMOKE_ENVIRONMENT = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 
 
 def _peak_rss_mb() -> float:
@@ -82,8 +89,19 @@ def _weights_changed(before: torch.Tensor, module: BenchModule) -> bool:
     return not torch.equal(before, module.net[0].weight.detach())
 
 
+def fit_plan(spec: Spec) -> tuple[tuple[str, type[BenchModule], int], ...]:
+    """The fits of a measurement (label, module, steps): two of :class:`BenchModule`, then the weights-back fit.
+
+    With tiny sizes (``spec.smoke``) the second fit is the weights-back fit, a launch less for the same paths (a
+    second fit in the process, the weights coming back); its record is both ``fit2`` and ``weights``."""
+    first, second = ("fit1", BenchModule, spec.steps), ("fit2", BenchModule, spec.steps)
+    if spec.smoke:
+        return first, ("fit2", WeightsModule, spec.steps)
+    return first, second, ("weights", WeightsModule, spec.weights_steps)
+
+
 def measure(contender: Contender, spec: Spec, result_path: str, record: bool) -> dict[str, Any] | None:
-    """Run the three fits; return the measurement (None on ranks > 0 of ``ddp``)."""
+    """Run the fits; return the measurement (None on ranks > 0 of ``ddp``)."""
     if contender.uses_ray:
         import ray
 
@@ -91,8 +109,7 @@ def measure(contender: Contender, spec: Spec, result_path: str, record: bool) ->
     fits: dict[str, dict[str, Any]] = {}
     rss_small = 0.0
     module: BenchModule | None = None
-    runs = (("fit1", BenchModule, spec.steps), ("fit2", BenchModule, spec.steps))
-    for label, cls, steps in (*runs, ("weights", WeightsModule, spec.weights_steps)):
+    for label, cls, steps in fit_plan(spec):
         module = cls(spec)
         before = module.net[0].weight.detach().clone()
         clock_path = f"{result_path}.{label}.clock"
@@ -107,6 +124,7 @@ def measure(contender: Contender, spec: Spec, result_path: str, record: bool) ->
             rss_small = _peak_rss_mb()
     if not record or module is None:
         return None
+    fits.setdefault("weights", fits["fit2"])
     peak_rss = _peak_rss_mb()  # before the floor's copies add their own
     state = module.state_dict()
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
@@ -153,7 +171,8 @@ def measurement_main(
     """A measurement process's command line: ``--contender``, ``--spec`` (a ``spec_class`` as JSON), ``--result``.
 
     Writes ``measure_fn(contender, spec, result_path, record)``'s measurement to ``--result`` (whole
-    or not at all); ranks that Lightning's launcher started record and write nothing.
+    or not at all); ranks that Lightning's launcher started record and write nothing. With tiny sizes
+    (``spec.smoke``) the process runs with :data:`SMOKE_ENVIRONMENT` and leaves at once after that.
     """
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contender", required=True, choices=sorted(contenders))
@@ -162,12 +181,26 @@ def measurement_main(
     args = parser.parse_args(argv)
     with open(args.spec) as f:
         spec = spec_class.from_json(f.read())
+    smoke = getattr(spec, "smoke", False)
+    if smoke:
+        os.environ.update(SMOKE_ENVIRONMENT)
     result = measure_fn(contenders[args.contender], spec, args.result, record=not _launched_by_lightning_ddp())
     if result is not None:
         partial = args.result + ".partial"
         with open(partial, "w") as f:
             json.dump(result, f, indent=1)
         os.replace(partial, args.result)
+    if smoke:
+        _leave_now()
+
+
+def _leave_now() -> None:
+    """Exit at once, without the interpreter's and Ray's orderly shutdown (2-3 s on 2 busy cores, after the
+    measurement): the result is written, the harness kills what is left of the process group, and Ray ends the
+    job's workers as after any exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ class ShardedSpec(Spec):
     @classmethod
     def tiny(cls) -> ShardedSpec:
         """Sizes for the smoke test: every code path, seconds of compute."""
-        return cls(features=32, hidden=64, classes=4, batch_size=16, steps=6, warmup=2, blocks=2)
+        return cls(features=32, hidden=64, classes=4, batch_size=16, steps=6, warmup=2, blocks=2, smoke=True)
 
 
 class Block(nn.Module):

@@ -50,11 +50,15 @@ class Spec:
     # Set by the harness: the Ray cluster to connect to and a directory for clock files and Ray Train's storage.
     ray_address: str = ""
     scratch: str = ""
+    # Tiny sizes (the smoke tests'): what only costs time goes (`benchmarks.measure.measurement_main`), and the
+    # weights-back fit is the second fit (`benchmarks.measure.fit_plan`).
+    smoke: bool = False
 
     @classmethod
     def tiny(cls) -> Spec:
         """Sizes for the smoke test: every code path, seconds of compute."""
-        return cls(batch_size=16, features=32, hidden=64, classes=4, steps=6, warmup=2, weights_params=1_000_000)
+        return cls(batch_size=16, features=32, hidden=64, classes=4, steps=6, warmup=2, weights_params=1_000_000,
+                   smoke=True)  # fmt: skip
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

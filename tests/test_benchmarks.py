@@ -18,7 +18,8 @@ from benchmarks.contenders import BASELINE, CONTENDERS
 from benchmarks.report import BREAKDOWN, METRICS
 from tests.conftest import ROOT
 
-# Five contenders x three fits each, with Ray Train's slow start: minutes on 2 busy cores.
+# Six contenders x two fits each (tiny sizes: the second fit brings the weights back), with Ray Train's slow start:
+# minutes on 2 busy cores.
 HARNESS_TIMEOUT_S = 1500
 pytestmark = pytest.mark.timeout(HARNESS_TIMEOUT_S + 120)
 # Where rank 0 is the driver itself, no weights travel back.
