@@ -187,7 +187,14 @@ def _driver(args: list[str], cwd) -> subprocess.Popen:
 
 
 def _markers(bucket: Bucket, prefix: str) -> list[dict]:
-    return [json.loads(bucket.fs.cat_file(f"{bucket.name}/{p}")) for p in bucket.files(prefix) if p.endswith(MARKER)]
+    found = []
+    for path in bucket.files(prefix):
+        if path.endswith(MARKER):
+            try:
+                found.append(json.loads(bucket.fs.cat_file(f"{bucket.name}/{path}")))
+            except FileNotFoundError:
+                continue  # the run rotated that checkpoint away between the listing and the read
+    return found
 
 
 def test_a_killed_driver_run_again_with_the_same_run_name_resumes_from_storage(tmp_path, bucket: Bucket):
