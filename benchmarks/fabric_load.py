@@ -4,8 +4,9 @@ A thread samples, every ``interval`` seconds, the machine's busy CPU time (``/pr
 this process's tree (the harness, its Ray cluster, the driver processes and everything they start): the
 difference is the work of everything else on the machine (another test run, say), which slows every contender's
 wall times. Per process in the tree: its own CPU time and that of its children it reaped, so a process that ends
-between two samples is counted by its parent, not lost (a process whose parent ended first is: the other load
-errs high by it).
+between two samples is counted by its parent, not lost (a process whose parent ended first, or whose parent never
+reaps it, as Ray's raylet ignores SIGCHLD, loses what it spent since the last sample: the other load errs high by
+it).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ def _busy_s() -> float:
     return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
 
 
-def _tree() -> dict[int, tuple[int, float]]:
-    """pid -> (parent pid, CPU seconds of it and its reaped children) for this process and its descendants."""
+def _tree() -> dict[int, tuple[int, float, float]]:
+    """pid -> (parent pid, CPU seconds of it and its reaped children, of those children alone) for this process and
+    its descendants."""
     root = psutil.Process()
     tree = {}
     for process in [root, *root.children(recursive=True)]:
@@ -33,8 +35,22 @@ def _tree() -> dict[int, tuple[int, float]]:
                 times, ppid = process.cpu_times(), process.ppid()
         except psutil.Error:  # it ended since the listing
             continue
-        tree[process.pid] = (ppid, times.user + times.system + times.children_user + times.children_system)
+        reaped = times.children_user + times.children_system
+        tree[process.pid] = (ppid, times.user + times.system + reaped, reaped)
     return tree
+
+
+def _counted_twice(last: dict[int, tuple[int, float, float]], now: dict[int, tuple[int, float, float]]) -> float:
+    """The CPU of processes that ended since ``last`` which their parents' reaped children's now count again.
+
+    A parent that waited for an ended child adds all the child's CPU to its own children's; one that ignores
+    SIGCHLD (Ray's raylet, whose workers end throughout a Tune search) adds nothing, so at most what the parent's
+    reaped children's grew by is counted twice."""
+    ended: dict[int, float] = {}
+    for pid, (ppid, cpu, _) in last.items():
+        if pid not in now and ppid in now and ppid in last:
+            ended[ppid] = ended.get(ppid, 0.0) + cpu
+    return sum(min(cpu, max(now[ppid][2] - last[ppid][2], 0.0)) for ppid, cpu in ended.items())
 
 
 class OtherLoad:
@@ -46,7 +62,7 @@ class OtherLoad:
         self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="other-load", daemon=True)
-        self._last: tuple[float, dict[int, tuple[int, float]]] | None = None
+        self._last: tuple[float, dict[int, tuple[int, float, float]]] | None = None
 
     def __enter__(self) -> OtherLoad:
         self._sample()
@@ -68,10 +84,8 @@ class OtherLoad:
             other = 0.0
         else:
             last_busy, last_tree = self._last
-            ours = sum(cpu - last_tree[pid][1] if pid in last_tree else cpu for pid, (_, cpu) in tree.items())
-            # An ended process's CPU is now in its parent's reaped children's: do not count what it had twice.
-            ours -= sum(cpu for pid, (ppid, cpu) in last_tree.items() if pid not in tree and ppid in tree)
-            other = self.samples[-1][1] + (busy - last_busy) - ours
+            ours = sum(cpu - last_tree[pid][1] if pid in last_tree else cpu for pid, (_, cpu, _) in tree.items())
+            other = self.samples[-1][1] + (busy - last_busy) - ours + _counted_twice(last_tree, tree)
         self._last = (busy, tree)
         self.samples.append((now, other))
 

@@ -209,8 +209,10 @@ def _search(contender: TuneContender, spec: TuneSpec, clock_path: str) -> dict[s
         reuse_actors=True,
         num_samples=spec.trials,
     )
+    # The budget as Ray's PBT examples give it: at its last report Tune ends a trial, where PBT would pause it
+    # (while another trial is paused) only to start it again with nothing left to train.
     run_config = tune.RunConfig(name=f"{contender.name}-{uuid.uuid4().hex[:6]}", storage_path=os.path.join(
-        spec.scratch, "tune"), verbose=1)  # fmt: skip
+        spec.scratch, "tune"), stop={"training_iteration": spec.reports}, verbose=1)  # fmt: skip
     tuner = tune.Tuner(contender.trainable(spec, clock_path), param_space=contender.space(domain),
                        tune_config=tune_config, run_config=run_config)  # fmt: skip
     t0 = time.time()
@@ -266,6 +268,7 @@ def search_metrics(search: dict[str, Any], starts: list[dict[str, Any]], pbt_log
         "exploits_skipped": len(pbt_log.skipped),
         "first_start_s": starts[0]["start_s"] if starts else None,
         "later_start_s": _median([s["start_s"] for s in later]),
+        "other_first_start_s": _median([s["start_s"] for s in later if not s["restart"]]),
         "restart_s": _median([s["start_s"] for s in later if s["restart"]]),
         "starts": len(starts),
         "restarts": sum(s["restart"] for s in starts),

@@ -19,6 +19,7 @@ METRICS = (
 )
 # How the trials started (medians over the searches): not every contender has restarts.
 STARTS = (
+    Metric("other_first_start_s", "other trials' 1st start → 1st batch, s", ".2f"),
     Metric("starts", "trial starts", ".0f"),
     Metric("restarts", "of them restarts", ".0f"),
     Metric("resumed_starts", "resumed from a checkpoint", ".0f"),
@@ -110,8 +111,10 @@ def _rows(table: dict[str, Any], metrics: tuple[Metric, ...], ratios: bool) -> l
 def markdown(document: dict[str, Any]) -> str:
     table = document["table"]
     lines = [*_header(document), *_rows(table, METRICS, True), ""]
-    lines += ["How the trials started (per search; medians): restarts = a trial's second and later starts; resumed = "
-              "rank 0's first batch came after step 0 (training went on from a checkpoint).", ""]  # fmt: skip
+    lines += ["The later starts split (medians over the searches): the other trials' first starts (cold, beside the "
+              "first), and restarts = a trial's second and later starts (after a PBT exploit, or a pause while another "
+              "trial was paused); resumed = rank 0's first batch came after step 0 (training went on from a "
+              "checkpoint).", ""]  # fmt: skip
     lines += _rows(table, STARTS, False)
     if document["targets"]:
         lines += ["", "| goal (reported, not asserted) | contender | value | Ray Train | ratio | status |",

@@ -45,7 +45,7 @@ class TuneSpec(Spec):
     @classmethod
     def tiny(cls) -> TuneSpec:
         """Every code path (an exploit, a second trial start) in seconds of compute."""
-        return cls(hidden=32, steps=20, trials=2, reports=4, interval=1, train_size=1024, val_size=256)
+        return cls(hidden=32, steps=20, trials=2, reports=4, interval=1, train_size=1024, val_size=256, smoke=True)
 
     @property
     def cluster_cpus(self) -> int:
