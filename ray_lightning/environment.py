@@ -107,6 +107,10 @@ class RayEnvironment(namespaces.PerNamespace):
         self._main_address = main_address
         self._main_port = main_port
 
+    def ran_on(self, world_size: int) -> None:
+        """On the driver, after a call: how many workers it ended on (``trainer.world_size``; elastic fits vary)."""
+        self._world_size = world_size
+
     @property
     @override
     def creates_processes_externally(self) -> bool:

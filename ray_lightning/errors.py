@@ -77,5 +77,21 @@ class WorkerPreemptedError(RayWorkerError):
         return (type(self), (str(self), self.rank, self.reason), {"failures": self.failures})
 
 
+class WorkersGrowError(RayWorkerError):
+    """Not a failure: an elastic fit (``num_workers=(min, max)``) ends an attempt to restart on more workers.
+
+    Raised on the driver once rank 0's recovery checkpoint arrived and the cluster can hold ``size`` workers;
+    the fit goes on from that checkpoint on them (``trainer.strategy.restarts`` records it, ``max_failures``
+    does not count it). Never reaches the user.
+    """
+
+    def __init__(self, message: str, size: int) -> None:
+        super().__init__(message, rank=0)
+        self.size = size
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.size), {"failures": self.failures})
+
+
 class StorageError(OSError):
     """The run's storage (``storage_path``) cannot be written, or a checkpoint's upload failed: names the path."""

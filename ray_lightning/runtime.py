@@ -129,6 +129,8 @@ class RecoveryPlan:
     # With storage_path: the run (ray_lightning.home.storage.Run) whose folder recovery checkpoints go to, written
     # by the ranks; None: rank 0 sends them to the driver.
     storage_run: Any = None
+    # num_workers=(min, max): the sizes and the batch policy (ray_lightning.config.elastic); None: a fixed size.
+    elastic: tuple[int, int, str] | None = None
 
 
 class ProgressMarker(Protocol):

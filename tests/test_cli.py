@@ -36,14 +36,15 @@ def test_fit_with_ray_strategy_on_two_workers(tmp_path):
 @pytest.mark.timeout(180)
 def test_print_config_lists_ray_and_ddp_arguments(tmp_path):
     restarts = ("--trainer.strategy.max_failures=2", "--trainer.strategy.recovery_checkpoint_every_n_steps=50")
-    result = run_example(
-        "cli_digits.py", "fit", *RAY, *restarts, "--print_config", cwd=tmp_path, timeout_s=150, stderr_apart=True
-    )
+    elastic = ("--trainer.strategy.num_workers=[2, 3]", "--trainer.strategy.batch_policy=scale_lr")
+    arguments = ("fit", *RAY, *restarts, *elastic, "--print_config")
+    result = run_example("cli_digits.py", *arguments, cwd=tmp_path, timeout_s=150, stderr_apart=True)
     assert result.returncode == 0, explain(result)
     strategy = yaml.safe_load(result.stdout)["trainer"]["strategy"]
     assert strategy["class_path"] == "ray_lightning.RayStrategy"
     init_args = strategy["init_args"]
-    assert init_args["num_workers"] == 2 and init_args["find_unused_parameters"] is False, init_args
+    assert list(init_args["num_workers"]) == [2, 3] and init_args["batch_policy"] == "scale_lr", init_args
+    assert init_args["find_unused_parameters"] is False, init_args
     assert (init_args["max_failures"], init_args["recovery_checkpoint_every_n_steps"]) == (2, 50), init_args
     assert init_args["scale_up_timeout_s"] is None, init_args
     assert not set(RESERVED) & set(init_args), init_args

@@ -3,6 +3,7 @@ for preemption with a deadline (Ray's own drain, as the autoscaler does for a sp
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -163,3 +164,98 @@ def test_a_node_drained_for_preemption_gets_a_checkpoint_before_it_goes(three_wo
     # Rank 0 checkpointed mid-epoch 0, a few steps after the drain: the restart loses only those.
     assert restart.epoch == 0 and step <= restart.global_step <= step + 8
     assert (trainer.current_epoch, trainer.global_step) == (2, 32)
+
+
+class CountsSamples(BoringModel):
+    """Writes what each micro-batch trained (epoch, step, sample ids, world size, attempt) into ``directory``;
+    rank 0 waits at ``waits[(attempt, epoch, batch_idx)]`` for the test to change the cluster (bounded)."""
+
+    def __init__(self, directory: str, waits: dict, size: int = 96):
+        super().__init__(size=size)
+        self.directory, self.waits = directory, waits
+
+    def training_step(self, batch, batch_idx):
+        from ray_lightning import runtime
+
+        attempt = runtime.current_context().recovery.attempt
+        wait = self.waits.get((attempt, self.current_epoch, batch_idx)) if self.global_rank == 0 else None
+        if wait is not None:
+            asked, answered = (os.path.join(self.directory, name) for name in wait)
+            with open(asked + ".partial", "w") as f:
+                f.write(f"{ray.get_runtime_context().get_node_id()} {self.trainer.global_step}")
+            os.replace(asked + ".partial", asked)
+            wait_for(lambda: os.path.exists(answered), 120, f"the test to write {answered}")
+        record = {
+            "epoch": self.current_epoch,
+            "step": self.trainer.global_step,
+            "ids": batch[2].tolist(),
+            "world": self.trainer.world_size,
+            "attempt": attempt,
+        }
+        with open(os.path.join(self.directory, f"ids-{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return super().training_step(batch, batch_idx)
+
+
+def _record_error(errors: list, function, *args) -> None:
+    try:
+        function(*args)
+    except BaseException as error:  # noqa: BLE001 - the test thread raises it
+        errors.append(error)
+
+
+def _trained(directory, restarts) -> list[dict]:
+    """The micro-batches the final weights went through: each attempt's up to the checkpoint the next resumed from."""
+    records = [json.loads(line) for path in directory.glob("ids-*.jsonl") for line in path.read_text().splitlines()]
+    ends = [r.global_step for r in restarts] + [float("inf")]
+    return [r for r in records if r["step"] < ends[r["attempt"]]]
+
+
+def test_an_elastic_fit_starts_on_two_grows_to_three_and_goes_on_with_two_after_a_loss(three_worker_nodes, tmp_path):
+    cluster = three_worker_nodes
+    spare = next(n for n in cluster.worker_nodes if n.node_id != ray.get_runtime_context().get_node_id())
+    cluster.remove_node(spare)
+    wait_for(lambda: sum(bool(n["Alive"] and n["Resources"].get("slot")) for n in ray.nodes()) == 2, 60, "2 nodes")
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    # Epoch 0 on 2 workers (rank 0 waits at its 2nd batch for a third node); epoch 1 on 3 after the growth at
+    # epoch 0's end, where a node other than rank 0's is lost before step 8 (the newest checkpoint: step 6).
+    waits = {(0, 0, 1): ("add", "added"), (1, 1, 3): ("remove", "never")}
+    strategy = RayStrategy(
+        num_workers=(2, 3),
+        resources_per_worker=SLOT,
+        max_failures=1,
+        recovery_checkpoint_every_n_steps=2,
+        grow_check_interval_s=0,
+        placement_timeout_s=600,
+    )
+    model = CountsSamples(str(seen), waits)
+    before = model.layer.weight.detach().clone()
+    trainer = pl.Trainer(max_epochs=3, strategy=strategy, enable_progress_bar=False, logger=False)
+    # The fit runs in a thread (as in a Tune trial): Ray's Cluster adds nodes from the main thread only.
+    errors: list[BaseException] = []
+    fit = threading.Thread(target=lambda: _record_error(errors, trainer.fit, model), daemon=True)
+    fit.start()
+    wait_for(lambda: (seen / "add").exists() or not fit.is_alive(), 300, "rank 0 to ask for a node")
+    cluster.add_node(num_cpus=1, resources={"slot": 1})
+    wait_for(lambda: sum(bool(n["Alive"] and n["Resources"].get("slot")) for n in ray.nodes()) == 3, 60, "3 nodes")
+    (seen / "added").touch()
+    wait_for(lambda: (seen / "remove").exists() or not fit.is_alive(), 300, "rank 0 to ask for a node's loss")
+    if fit.is_alive():
+        rank_zero_node = (seen / "remove").read_text().split()[0]
+        cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id != rank_zero_node))
+    fit.join(timeout=600)
+    assert not fit.is_alive() and not errors, errors
+
+    grow, loss = trainer.strategy.restarts
+    assert (grow.reason, grow.world_size, grow.epoch, grow.global_step) == ("grow", 3, 1, 4), grow
+    assert loss.reason != "grow" and loss.world_size == 2 and (loss.epoch, loss.global_step) == (1, 6), loss
+    assert trainer.world_size == 2 and trainer.global_step == 12  # 4 steps an epoch on 3 and on 2 workers
+    assert not torch.equal(model.layer.weight, before)
+    trained = _trained(seen, trainer.strategy.restarts)
+    assert {r["world"] for r in trained if r["epoch"] == 0} == {2} and {r["world"] for r in trained} == {2, 3}
+    for epoch in range(3):
+        ids = sorted(i for r in trained if r["epoch"] == epoch for i in r["ids"])
+        assert ids == list(range(96)), f"epoch {epoch}: every sample once"
+    for step in range(12):  # keep_global_batch: 3 x 8 on three workers, 2 x 6 x 2 accumulated on two
+        assert sum(len(r["ids"]) for r in trained if r["step"] == step) == 24, step

@@ -43,6 +43,7 @@ from ray_lightning._lightning.names import (
     load_fit_progress,
     logger_directory_holders,
     output_directories,
+    set_batches_done,
     use_filesystems_of_logger_paths,
     use_filesystems_of_paths,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "dump_checkpoint",
     "ensure_installed",
     "batches_processed",
+    "set_batches_done",
     "fit_progress_state",
     "init_dist_connection",
     "is_last_batch",

@@ -169,6 +169,16 @@ def batches_processed(trainer: pl.Trainer) -> int:
     return int(_progress(trainer, "epoch_loop.batch_progress").current.processed)
 
 
+def set_batches_done(trainer: pl.Trainer, done: int) -> None:
+    """Restart the current epoch's batch count at ``done`` processed batches (a resumed epoch whose loader yields only
+    the rest). Every counter moves by as much: a checkpoint of ``on_train_batch_end`` has ``completed`` one behind,
+    which Lightning's restart makes up."""
+    current = _progress(trainer, "epoch_loop.batch_progress").current
+    shift = done - current.processed
+    for name in ("ready", "started", "processed", "completed"):
+        setattr(current, name, getattr(current, name) + shift)
+
+
 def load_fit_progress(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     for key, path in FIT_PROGRESS:
         _progress(trainer, path).load_state_dict(state[key])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ray_lightning.config.display import fmt_resource
@@ -48,6 +48,10 @@ class WorkerResources:
     @property
     def workers_per_host(self) -> int:
         return self.num_workers // self.num_hosts if self.num_hosts else 1
+
+    def with_workers(self, num_workers: int) -> WorkerResources:
+        """The same workers, ``num_workers`` of them (an elastic fit's size now)."""
+        return replace(self, num_workers=num_workers)
 
     def placement(self) -> tuple[list[dict[str, float]], str]:
         """The placement group's bundles and strategy.

@@ -228,6 +228,18 @@ class RayDataModule(*namespaces.every("LightningDataModule")):  # type: ignore[m
         seed = epoch_seed(int(self.seed or 0), epoch) if self.shuffle else None
         return seed, skip
 
+    def resumed_batches(self) -> int | None:
+        """The batches each rank trains in an epoch resumed mid-way (from the checkpoint's position, on this world
+        size); None when the epoch starts from its first row. ``data.elastic`` starts the epoch's batch count there."""
+        trainer, resume = self.trainer, self._resume
+        rows = self._rows.get("train")
+        if trainer is None or resume is None or rows is None or resume.get("epoch") != trainer.current_epoch:
+            return None
+        if not resume.get("rows"):
+            return None
+        world = trainer.world_size
+        return _batches_per_rank(max(0, rows - int(resume["rows"])), self._spec("train", world), world, 0)
+
     @override
     def state_dict(self) -> dict[str, Any]:
         """The training position: the epoch and how many of its rows (in its one order) are trained."""

@@ -103,6 +103,10 @@ class HorovodRayStrategy(RayWorkersMixin):
 
         return (HorovodInternalError,)
 
+    # Horovod's DistributedOptimizer takes accumulate_grad_batches when it wraps the optimizer (data.elastic keeps
+    # it and moves only the per-worker batch).
+    fixed_accumulation = True
+
     @property
     def num_hosts(self) -> int | None:
         return self.resources.num_hosts
@@ -319,14 +323,15 @@ class HorovodRayAccelerator(RayAccelerator):
         )
 
 
-def worker_layout(num_workers: Any, num_hosts: Any, num_slots: Any) -> tuple[int, int | None]:
+def worker_layout(num_workers: Any, num_hosts: Any, num_slots: Any) -> tuple[Any, int | None]:
     """``(number of workers, number of hosts or None)`` from the three ways of saying how many.
 
-    ``num_workers`` alone lets Ray pack the workers; ``num_hosts`` and/or ``num_slots`` put
+    ``num_workers`` alone (an int, or ``(min, max)``: elastic, checked by the worker record) lets Ray pack the
+    workers; ``num_hosts`` and/or ``num_slots`` put
     ``num_slots`` workers on each of ``num_hosts`` different nodes (a missing one counts as 1).
     """
     for name, value in (("num_workers", num_workers), ("num_hosts", num_hosts), ("num_slots", num_slots)):
-        if value is None:
+        if value is None or (name == "num_workers" and isinstance(value, (tuple, list))):
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int >= 1, got {value!r}.")

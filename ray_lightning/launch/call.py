@@ -27,6 +27,7 @@ from ray_lightning import namespaces, runtime
 from ray_lightning.channel.heartbeat import Heartbeat, HeartbeatCallback
 from ray_lightning.channel.progress import readable_output
 from ray_lightning.channel.worker_output import end_of_output
+from ray_lightning.data.elastic import ElasticTraining
 from ray_lightning.home import files, loggers, storage
 from ray_lightning.home.predictions import PredictionRecorder
 from ray_lightning.home.recovery import RecoveryCheckpoints, RestoreRandomStates
@@ -199,6 +200,9 @@ def _add_recovery(trainer: pl.Trainer, context: WorkerContext, staging: str | No
         return
     if plan.random_states is not None:
         trainer.callbacks.append(RestoreRandomStates(plan.random_states))
+    low, high, policy = plan.elastic or (None, None, None)
+    # Every rank: the batch policy at this size, and where an interrupted epoch goes on (data.elastic).
+    trainer.callbacks.append(ElasticTraining(high, low, policy))
     # A sharded strategy's checkpoints take every rank.
     collective = bool(getattr(trainer.strategy, "collective_checkpoints", False))
     run = plan.storage_run

@@ -37,6 +37,7 @@ from ray_lightning.errors import (
     WorkerDiedError,
     WorkerHangError,
     WorkerPreemptedError,
+    WorkersGrowError,
     WorkerStartupError,
 )
 from ray_lightning.launch.actor import NodeInfo
@@ -65,6 +66,11 @@ class Kind(enum.Enum):
     USER_CODE = "raised by the training code"
     HANG = "no progress"
     OTHER = "other"
+    GROW = "grow"  # not a failure: an elastic fit moves onto more workers
+
+
+# Restarts that are not failures, which max_failures does not count.
+RESIZES = frozenset({Kind.GROW})
 
 
 RESTARTABLE = frozenset(
@@ -102,7 +108,9 @@ def classify(
     """
     rank = getattr(error, "rank", -1)
     node = nodes.get(rank)
-    if isinstance(error, WorkerHangError):
+    if isinstance(error, WorkersGrowError):
+        kind = Kind.GROW
+    elif isinstance(error, WorkerHangError):
         kind = Kind.HANG
     elif isinstance(error, WorkerPreemptedError):
         kind = Kind.GOING_AWAY
@@ -124,7 +132,9 @@ def classify(
 
 
 def decide(failure: Failure, restarts_done: int, max_failures: int) -> Decision:
-    """Restart or raise: see the module docstring."""
+    """Restart or raise: see the module docstring. ``restarts_done`` counts failures only (not resizes)."""
+    if failure.kind in RESIZES:
+        return Decision(restart=True)
     if failure.kind not in RESTARTABLE or restarts_done >= max_failures:
         return Decision(restart=False)
     return Decision(restart=True, keep_processes=failure.kind is Kind.WORKER_DIED)

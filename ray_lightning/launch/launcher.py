@@ -37,6 +37,8 @@ from typing_extensions import override
 
 from ray_lightning import _lightning, namespaces
 from ray_lightning.channel.worker_output import output_sync
+from ray_lightning.config.elastic import ElasticSettings
+from ray_lightning.environment import RayEnvironment
 from ray_lightning.errors import RayWorkerError, WorkerDiedError, WorkerHangError
 from ray_lightning.home import files, loggers, storage
 from ray_lightning.home.predictions import merge_predictions
@@ -51,6 +53,7 @@ from ray_lightning.launch.contexts import (
     nodes_by_rank,
     progress_interval,
 )
+from ray_lightning.launch.elastic import Growth
 from ray_lightning.launch.failures import Decision, Failure, classify, decide
 from ray_lightning.launch.payload import (
     check_checkpoint_exists,
@@ -61,7 +64,7 @@ from ray_lightning.launch.payload import (
     prepare_arguments,
     put_payload,
 )
-from ray_lightning.launch.placement import OwnPlacement, TrialPlacement
+from ray_lightning.launch.placement import OwnPlacement, TrialPlacement, reserve_elastic
 from ray_lightning.launch.protocol import LaunchedStrategy
 from ray_lightning.launch.recovery import Recovery
 from ray_lightning.launch.session import alive_node_ids, driver_node_id, ensure_ray_initialized
@@ -108,6 +111,7 @@ class _Call:
     seed_directories: list[str]  # where this call's own logs and checkpoints go
     run: storage.Run | None = None  # with storage_path: the run's folder, where the ranks write everything
     function_only: bool = False  # no Trainer: a function Fabric launched
+    growth: Growth | None = None  # num_workers=(min, max): when it moves onto more workers
     keep_checkpoints: tuple[str, ...] = ()  # the ckpt_path given, which no rotation may remove
 
 
@@ -163,17 +167,23 @@ class RayLauncher(*_lightning.launcher_bases()):
             checkpoint=checkpoint_argument(function, args, kwargs, trainer),
             seed_directories=_seed_directories(trainer),
             payload=put_payload(trainer, function, args, kwargs, None if trainer is not None else self._strategy),
-            recovery=Recovery(self._strategy.workers.recovery, scope, self._strategy.restarts, run),
+            recovery=Recovery(
+                self._strategy.workers.recovery, scope, self._strategy.restarts, run, self._elastic(trainer)
+            ),
             scope=scope,
             run=run,
             keep_checkpoints=files.path_forms(given),
             function_only=trainer is None,
+            growth=self._growth(trainer),
         )
         if run is not None:
             self._announce_run(call, trainer, given)
         self.transferred_files = []
         try:
             attempt = self._attempts(call)
+            environment = getattr(self._strategy, "cluster_environment", None)
+            if isinstance(environment, RayEnvironment):
+                environment.ran_on(len(attempt.group.ranks))
             try:
                 # The workers stay until their results are home: they hold the weights' chunks.
                 return self._bring_home(attempt, trainer, call)
@@ -182,6 +192,18 @@ class RayLauncher(*_lightning.launcher_bases()):
         finally:
             self._running = None
             call.recovery.close()
+
+    def _elastic(self, trainer: pl.Trainer | None) -> ElasticSettings | None:
+        """The elastic settings a call uses: a Trainer's fit outside a Tune trial (whose bundles are fixed)."""
+        elastic = self._strategy.workers.elastic
+        fitting = trainer is not None and trainer.state.fn == namespaces.FITTING
+        return elastic if fitting and get_current_placement_group() is None else None
+
+    def _growth(self, trainer: pl.Trainer | None) -> Growth | None:
+        elastic = self._elastic(trainer)
+        if elastic is None or trainer is None:
+            return None
+        return Growth(elastic, self._strategy.workers.resources, trainer.max_epochs, trainer.max_steps)
 
     def _announce_run(self, call: _Call, trainer: pl.Trainer | None, given: Any) -> None:
         """Say where the run's files go; a fit that names no checkpoint, in the first call of a run in this process,
@@ -209,12 +231,12 @@ class RayLauncher(*_lightning.launcher_bases()):
 
     def _attempts(self, call: _Call) -> Attempt:
         """Attempts of the call until one succeeds, or a failure no restart follows is raised."""
-        group = self._acquire_group()
+        group = self._acquire_group(call)
         while True:
             attempt = self._attempt(group, call)
             if attempt.failure is None:
                 return attempt
-            decision = decide(attempt.failure, len(call.recovery.restarts), call.recovery.settings.max_failures)
+            decision = decide(attempt.failure, call.recovery.failures_restarted, call.recovery.settings.max_failures)
             group = self._after_failure(attempt, decision, call)
 
     def _after_failure(self, attempt: Attempt, decision: Decision, call: _Call) -> WorkerGroup:
@@ -228,25 +250,27 @@ class RayLauncher(*_lightning.launcher_bases()):
         if not decision.restart:
             final = call.recovery.final_error(failure.error)
             raise final from failure.error.__cause__
-        call.recovery.record_restart(failure)
+        group = None
         if decision.keep_processes:
             # A worker process died: the others' processes go on where they can (launch.worker_group).
             try:
-                salvaged = attempt.group.salvage(SALVAGE_WAIT_S)
+                group = attempt.group.salvage(SALVAGE_WAIT_S)
             except BaseException:
                 attempt.group.shutdown()
                 raise
-            if salvaged is not None:
-                return salvaged
-        return self._acquire_group()
+        if group is None:
+            group = self._acquire_group(call)
+        call.recovery.record_restart(failure, len(group.ranks))
+        return group
 
     @override
     def kill(self, signum: Any) -> None:
         if self._running is not None:
             self._running.shutdown()
 
-    def _acquire_group(self) -> WorkerGroup:
-        """The workers for this call: the last call's idle workers, a Tune trial's bundles, or new ones."""
+    def _acquire_group(self, call: _Call) -> WorkerGroup:
+        """The workers for this call: the last call's idle workers, a Tune trial's bundles, or new ones (an elastic
+        fit's: as many as the cluster places now, :func:`~.placement.reserve_elastic`)."""
         workers = self._strategy.workers
         request, timeouts = workers.resources, workers.timeouts
         enclosing = get_current_placement_group()
@@ -255,8 +279,17 @@ class RayLauncher(*_lightning.launcher_bases()):
             # After a node loss, the trial's lost bundles are placed again (maybe on a node the autoscaler adds).
             wait_s = max(timeouts.placement_s, timeouts.scale_up_s)
             return WorkerGroup.start(TrialPlacement.within(enclosing, request, wait_s), request)
+        if group is not None and call.growth is not None and len(group.ranks) < request.num_workers:
+            group.shutdown()  # idle workers of an earlier fit that ran on fewer: a fit asks for the most
+            group = None
         if group is None:
             say = namespaces.of(self._strategy).pl("utilities.rank_zero.rank_zero_info")
+            elastic = workers.elastic
+            if elastic is not None:
+                low = elastic.min_workers
+                placement = reserve_elastic(request, low, timeouts.placement_s, timeouts.scale_up_s, say)
+                say(f"ray_lightning: {len(placement.bundles)} workers (num_workers=({low}, {request.num_workers}))")
+                return WorkerGroup.start(placement, request.with_workers(len(placement.bundles)))
             placement = OwnPlacement.reserve(request, timeouts.placement_s, timeouts.scale_up_s, say)
             group = WorkerGroup.start(placement, request)
         return group
@@ -286,7 +319,7 @@ class RayLauncher(*_lightning.launcher_bases()):
             staging = _staging_area(nodes, settings) if call.run is None else None
             contexts = self._contexts(group, infos, staging, settings, call)
             watchdog = Watchdog([r.global_rank for r in group.ranks], infos, timeouts.progress_s, timeouts.start_s)
-            outputs = group.run(call.payload, contexts, channel, watchdog, stop=call.recovery.stop_for_preemption)
+            outputs = group.run(call.payload, contexts, channel, watchdog, stop=_stop_check(call, len(group.ranks)))
             channel.run_remaining()
             _wait_for_output(settings, [r.global_rank for r in group.ranks], _OUTPUT_WAIT_S)
             return Attempt(group, outputs, nodes, staging)
@@ -339,7 +372,10 @@ class RayLauncher(*_lightning.launcher_bases()):
             in_storage=call.run is not None and path is not None and (path != call.checkpoint or call.run.holds(path)),
         )
         rank_zero_info = namespaces.of(self._strategy).pl("utilities.rank_zero.rank_zero_info")
-        described = self._strategy.workers.resources.describe()
+        resources = self._strategy.workers.resources
+        if len(group.ranks) != resources.num_workers and not resources.num_hosts:
+            resources = resources.with_workers(len(group.ranks))  # an elastic fit's size now
+        described = resources.describe()
         rank_zero_info(describe_placement(described, group.ranks, infos, group.calls > 0))
         plan = call.recovery.plan(infos)
         if plan is not None and staging is not None and call.recovery.restarts:
@@ -431,6 +467,19 @@ def weight_chunks(actors: list[Any], outputs: list[WorkerOutput | None], in_flig
             yield pending.popleft()
     while pending:
         yield pending.popleft()
+
+
+def _stop_check(call: _Call, size: int) -> Callable[[], RayWorkerError | None]:
+    """What ends an attempt early, checked after each message of the workers: a preemption rank 0 checkpointed
+    for, or (elastic) room for more workers once a recovery checkpoint arrived."""
+
+    def stop() -> RayWorkerError | None:
+        error = call.recovery.stop_for_preemption()
+        if error is None and call.growth is not None:
+            return call.growth.check(size, call.recovery.latest)
+        return error
+
+    return stop
 
 
 def _wait_for_output(settings: CallSettings, ranks: list[int], timeout_s: float) -> None:

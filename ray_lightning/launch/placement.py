@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 # progress every PROGRESS_INTERVAL_S.
 CHECK_INTERVAL_S = 5.0
 PROGRESS_INTERVAL_S = 20.0
+# An elastic fit asks for each size this long before it asks for one worker fewer (launch.placement.reserve_elastic).
+PROBE_S = 1.0
 
 # A Tune trial's placement group: bundle 0 holds the trial's own process, which only waits for its
 # workers and reports; the workers take the bundles after it.
@@ -271,6 +273,49 @@ class OwnPlacement(Placement):
         bundle_nodes = placement_group_table(pg)["bundles_to_node_id"]
         indices = [request.bundle_index(i) for i in range(request.num_workers)]
         return cls(pg, indices, [bundle_nodes[b] for b in indices], owned=True)
+
+
+def reserve_elastic(
+    request: WorkerResources,
+    min_workers: int,
+    placement_timeout_s: float,
+    scale_up_timeout_s: float = DEFAULT_SCALE_UP_TIMEOUT_S,
+    say: Callable[[str], None] | None = None,
+) -> OwnPlacement:
+    """The most of ``request``'s workers (``request.num_workers`` at most, ``min_workers`` at least) placed now.
+
+    Each size from the most down is tried for :data:`PROBE_S` (a group the free resources hold is placed in
+    milliseconds; one the alive nodes could never hold is skipped); when none is placed at once, ``min_workers``
+    are reserved as a fixed-size fit's workers are (:meth:`OwnPlacement.reserve`: waiting within the bounds).
+    """
+    for size in range(request.num_workers, min_workers, -1):
+        sized = request.with_workers(size)
+        try:
+            check_cluster_can_hold(sized, ClusterNow.read().resources)
+        except ClusterResourceError:
+            continue
+        bundles, strategy = sized.placement()
+        pg = placement_group(bundles, strategy=strategy)
+        if _placed(pg.ready(), PROBE_S):
+            return OwnPlacement.placed(pg, sized)
+        remove_placement_group(pg)
+    return OwnPlacement.reserve(request.with_workers(min_workers), placement_timeout_s, scale_up_timeout_s, say)
+
+
+def free_room(request: WorkerResources, most: int) -> int:
+    """How many more of ``request``'s workers (``most`` at most) the cluster's free resources hold now.
+
+    Asked with a placement group of that many bundles (removed at once), so Ray decides it as it would place them.
+    """
+    for extra in range(most, 0, -1):
+        bundles, strategy = request.with_workers(extra).placement()
+        pg = placement_group(bundles, strategy=strategy)
+        try:
+            if _placed(pg.ready(), PROBE_S):
+                return extra
+        finally:
+            remove_placement_group(pg)
+    return 0
 
 
 def _busy_error(request: WorkerResources, timeout_s: float) -> ClusterResourceError:

@@ -32,11 +32,12 @@ from typing import Any
 
 import ray
 
+from ray_lightning.config.elastic import ElasticSettings
 from ray_lightning.config.restarts import RecoverySettings
 from ray_lightning.errors import RayWorkerError, WorkerPreemptedError
 from ray_lightning.home import files, storage
 from ray_lightning.launch.actor import NodeInfo
-from ray_lightning.launch.failures import Failure
+from ray_lightning.launch.failures import RESIZES, Failure, Kind
 from ray_lightning.launch.preemption import forget_notice
 from ray_lightning.runtime import RecoveryPlan
 
@@ -64,6 +65,12 @@ class Restart:
     global_step: int | None
     failed_at: float
     reason: str
+    world_size: int | None = None
+
+    @property
+    def resize(self) -> bool:
+        """Whether this restart was a resize (growing), not a failure."""
+        return self.reason == Kind.GROW.value
 
 
 @dataclass(frozen=True)
@@ -84,8 +91,10 @@ class Recovery:
         scope: files.WriteScope,
         history: list[Restart],
         run: storage.Run | None = None,
+        elastic: ElasticSettings | None = None,
     ) -> None:
         self.settings = settings
+        self.elastic = elastic  # num_workers=(min, max): it grows at recovery checkpoints, so it takes them
         self.run = run  # with storage_path: the checkpoints are in the run's folder, never on this machine
         self._random_states: dict[int, Any] = {}  # rank 0's generators after the checkpoint of each step
         self.restarts: list[Restart] = []  # this call's
@@ -108,7 +117,17 @@ class Recovery:
     def takes_checkpoints(self) -> bool:
         """Whether the ranks take recovery checkpoints: for restarts, and with storage_path for a run that
         outlives its driver (:meth:`resume_from_storage`)."""
-        return self.settings.enabled or self.run is not None
+        return self.settings.enabled or self.run is not None or self.elastic is not None
+
+    @property
+    def latest(self) -> _Checkpoint | None:
+        """The newest recovery checkpoint (``epoch``, ``global_step``, ``reason``), None before the first."""
+        return self._latest
+
+    @property
+    def failures_restarted(self) -> int:
+        """The restarts that followed failures (what ``max_failures`` bounds): resizes do not count."""
+        return sum(not r.resize for r in self.restarts)
 
     @property
     def synced(self) -> frozenset[str]:
@@ -129,6 +148,11 @@ class Recovery:
             log_step=latest.log_step if latest is not None else None,
             random_states=self._random_states.get(latest.global_step) if latest is not None else None,
             storage_run=self.run,
+            elastic=(
+                (self.elastic.min_workers, self.elastic.max_workers, self.elastic.batch_policy)
+                if self.elastic is not None
+                else None
+            ),
         )
 
     def resume_from_storage(self, entry: storage.RecoveryEntry) -> None:
@@ -168,7 +192,7 @@ class Recovery:
         """Once rank 0 took a checkpoint because a worker is going away: the error that ends the attempt at once,
         when a restart may follow (else the attempt goes on until the worker is gone)."""
         header, self._going_away = self._going_away, None
-        if header is None or len(self.restarts) >= self.settings.max_failures:
+        if header is None or self.failures_restarted >= self.settings.max_failures:
             return None
         reason = header["reason"].removeprefix("preemption: ")
         return WorkerPreemptedError(
@@ -192,8 +216,9 @@ class Recovery:
         """The ``ckpt_path`` file the next attempt resumes from: the newest recovery checkpoint, else ``given``."""
         return self._latest.path if self._latest is not None else given
 
-    def record_restart(self, failure: Failure) -> Restart:
-        """Log and record the restart that follows ``failure`` (:func:`~.failures.decide` chose it)."""
+    def record_restart(self, failure: Failure, world_size: int | None = None) -> Restart:
+        """Log and record the restart that follows ``failure`` (:func:`~.failures.decide` chose it) on
+        ``world_size`` workers."""
         if self.run is not None:
             # Rank 0 may have completed a checkpoint and died before its word reached this process.
             found = storage.newest_complete(self.run)
@@ -209,20 +234,26 @@ class Recovery:
             global_step=latest.global_step if latest else None,
             failed_at=time.time(),
             reason=failure.kind.value,
+            world_size=world_size,
         )
         self.restarts.append(restart)
         self._history.append(restart)
-        self._failures.append(str(failure.error))
         resumed = f"from epoch {restart.epoch} after step {restart.global_step}" if latest else "from the start"
+        if failure.kind in RESIZES:
+            log.warning("ray_lightning: %s workers now; the call goes on %s.", world_size, resumed)
+            return restart
+        self._failures.append(str(failure.error))
+        on = f" on {world_size} workers" if world_size is not None else ""
         log.warning(
             "ray_lightning: restarting the workers (%d of max_failures=%d) after rank %d on node %s: %s (%s); "
-            "running the call again %s.",
-            restart.number,
+            "running the call again%s %s.",
+            self.failures_restarted,
             self.settings.max_failures,
             restart.rank,
             restart.node or "?",
             restart.cause,
             restart.reason,
+            on,
             resumed,
         )
         return restart

@@ -32,7 +32,7 @@ class WorkerAccelerator(namespaces.PerNamespace):
     """A Lightning ``Accelerator`` for Ray workers; the base of every ``accelerator=`` form.
 
     Args:
-        num_workers: number of training processes (Ray actors).
+        num_workers: number of training processes (Ray actors), or ``(min, max)`` (elastic).
         cpus_per_worker: CPUs reserved for each worker.
         use_gpu: reserve one GPU per worker and train on CUDA.
         **strategy_kwargs: any other argument of the form's strategy (``resources_per_worker``,
@@ -47,7 +47,7 @@ class WorkerAccelerator(namespaces.PerNamespace):
 
     def __init__(
         self,
-        num_workers: int = 1,
+        num_workers: int | tuple[int, int] = 1,
         cpus_per_worker: float = 1,
         use_gpu: bool = False,
         **strategy_kwargs: Any,

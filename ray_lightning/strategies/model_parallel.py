@@ -115,6 +115,7 @@ class RayModelParallelStrategy(RayWorkersMixin, ShardedWorkersMixin):
             raise TypeError(f"parallelize_fn takes a function (module, device_mesh) -> module, got {parallelize_fn!r}.")
         self.parallelize_fn = parallelize_fn
         dp, tp = mesh_sizes(self.num_workers, data_parallel_size, tensor_parallel_size)
+        refuse_sizes_the_mesh_cannot_keep(self.workers.elastic, data_parallel_size, tp)
         check_sharding_arguments(self.use_gpu, process_group_backend, timeout, full_weights_home)
         self.full_weights_home = full_weights_home
         super().__init__(
@@ -162,7 +163,30 @@ class RayModelParallelStrategy(RayWorkersMixin, ShardedWorkersMixin):
 
     def build_device_mesh(self) -> None:
         """The ``(data_parallel, tensor_parallel)`` mesh over the process group, for ``self.device_mesh``."""
-        _lightning.sharded.set_device_mesh(self, model_parallel_mesh(self, self.mesh_shape))
+        tp = self.mesh_shape[1]
+        # An elastic fit's data-parallel size follows the workers it has now (the tensor-parallel size is kept).
+        shape = (self.world_size // tp, tp) if self.workers.elastic is not None else self.mesh_shape
+        _lightning.sharded.set_device_mesh(self, model_parallel_mesh(self, shape))
+
+
+def refuse_sizes_the_mesh_cannot_keep(elastic: Any, data_parallel_size: Any, tensor_parallel_size: int) -> None:
+    """An elastic ``num_workers=(min, max)`` keeps ``tensor_parallel_size`` and varies the data-parallel size: every
+    size in the range must be a multiple of it, and ``data_parallel_size`` must be left to follow."""
+    if elastic is None:
+        return
+    sizes = range(elastic.min_workers, elastic.max_workers + 1)
+    if data_parallel_size != AUTO:
+        raise ValueError(
+            f"RayModelParallelStrategy(num_workers=({elastic.min_workers}, {elastic.max_workers})) varies the data-"
+            f"parallel size with the workers: leave data_parallel_size out (got {data_parallel_size!r})."
+        )
+    bad = [n for n in sizes if n % tensor_parallel_size]
+    if bad:
+        raise ValueError(
+            f"RayModelParallelStrategy(num_workers=({elastic.min_workers}, {elastic.max_workers})) keeps "
+            f"tensor_parallel_size={tensor_parallel_size}, which does not divide {', '.join(map(str, bad))} workers; "
+            "give a range of multiples of it."
+        )
 
 
 def model_parallel_mesh(strategy: Any, mesh_shape: tuple[int, int]) -> Any:

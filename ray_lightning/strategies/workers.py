@@ -29,10 +29,12 @@ from typing_extensions import override
 
 from ray_lightning import _lightning, namespaces, runtime
 from ray_lightning._lightning import LightningStrategyHooks
+from ray_lightning.config.elastic import num_workers_from_environment
 from ray_lightning.config.resources import WorkerResources, refuse_nccl_on_a_shared_gpu
 from ray_lightning.config.storage import name_now
 from ray_lightning.config.timeouts import DEFAULT_PROGRESS_TIMEOUT_S
 from ray_lightning.config.workers import WorkerSpec
+from ray_lightning.data.elastic import find as find_elastic
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.home.background_io import BackgroundCheckpointIO
 from ray_lightning.home.files import path_forms
@@ -49,7 +51,7 @@ _P = inspect.Parameter
 # The arguments that describe a strategy's workers, as every strategy's signature shows them (LightningCLI
 # reads the annotations). ``num_workers`` comes first, then the
 # strategy's own positional arguments, the next four, its own keyword-only ones and the time bounds.
-_LEADING = (_P("num_workers", _P.POSITIONAL_OR_KEYWORD, default=1, annotation=int),)
+_LEADING = (_P("num_workers", _P.POSITIONAL_OR_KEYWORD, default=1, annotation=int | tuple[int, int]),)
 _RESOURCES = (
     _P("num_cpus_per_worker", _P.POSITIONAL_OR_KEYWORD, default=1, annotation=float),
     _P("use_gpu", _P.POSITIONAL_OR_KEYWORD, default=False, annotation=bool),
@@ -67,6 +69,8 @@ _BOUNDS = (
     _P("recovery_checkpoint_every_n_steps", _P.KEYWORD_ONLY, default=None, annotation=int | None),
     _P("storage_path", _P.KEYWORD_ONLY, default=None, annotation=str | None),
     _P("run_name", _P.KEYWORD_ONLY, default=None, annotation=str | None),
+    _P("batch_policy", _P.KEYWORD_ONLY, default=None, annotation=str | None),
+    _P("grow_check_interval_s", _P.KEYWORD_ONLY, default=None, annotation=float | None),
 )
 SHARED = (*_LEADING, *_RESOURCES, *_BOUNDS)
 
@@ -107,6 +111,8 @@ def worker_arguments(
             bound = signature.bind(self, *args, **kwargs)
             given = set(bound.arguments)
             bound.apply_defaults()
+            if "num_workers" not in given and "num_workers" in bound.arguments:
+                bound.arguments["num_workers"] = num_workers_from_environment(bound.arguments["num_workers"])
             own = {
                 name: value
                 for name, value in bound.arguments.items()
@@ -492,6 +498,17 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """In a worker: the training loader at this world size and position (``data.elastic``, restartable fits)."""
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        try:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        except RuntimeError:  # a module attached to no Trainer (Fabric)
+            trainer = None
+        elastic = find_elastic(trainer) if trainer is not None and trainer.training else None
+        return elastic.process_loader(trainer, dataloader) if elastic is not None else dataloader
 
     # -- inside a worker ----------------------------------------------------------------------------
 

@@ -1,0 +1,65 @@
+"""Where an elastic fit (``num_workers=(min, max)``) decides to grow: the driver's side of a resize.
+
+A fit starts on as many workers as the cluster places at once (:func:`~.placement.reserve_elastic`, called by
+the launcher's ``_acquire_group``); after a lost node its restart does the same, so it goes on with fewer
+instead of waiting for a replacement. :class:`Growth` is the other way: whenever rank 0's recovery checkpoint
+of an epoch's end has arrived and the last check is ``grow_check_interval_s`` old, it asks the cluster whether
+more workers fit now (:func:`~.placement.free_room`); if so the attempt ends with
+:class:`~ray_lightning.errors.WorkersGrowError` and the fit restarts from that checkpoint on more workers
+(:mod:`.failures` restarts it without counting it against ``max_failures``). Not after the last epoch's
+checkpoint: nothing would be left to train.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ray_lightning.config.elastic import ElasticSettings
+from ray_lightning.config.resources import WorkerResources
+from ray_lightning.errors import WorkersGrowError
+from ray_lightning.home.recovery import EPOCH
+from ray_lightning.launch.placement import free_room
+
+
+class Growth:
+    """One call's growth checks. ``max_epochs``/``max_steps``: the Trainer's (None/-1: unbounded)."""
+
+    def __init__(
+        self, settings: ElasticSettings, request: WorkerResources, max_epochs: int | None, max_steps: int | None
+    ) -> None:
+        self.settings = settings
+        self.request = request
+        self.max_epochs = max_epochs
+        self.max_steps = max_steps
+        self._checked_at = float("-inf")
+        self._seen: Any = None
+
+    def check(self, size: int, checkpoint: Any) -> WorkersGrowError | None:
+        """After a message from the workers: the error that ends the attempt to grow from ``size`` workers, or None.
+
+        ``checkpoint``: the newest recovery checkpoint (with ``epoch``, ``global_step`` and ``reason``), or None.
+        """
+        if size >= self.settings.max_workers or checkpoint is None or checkpoint is self._seen:
+            return None
+        if checkpoint.reason != EPOCH:
+            return None  # at epoch boundaries: a step checkpoint's resize would cut an epoch in two
+        self._seen = checkpoint
+        if self._nothing_left(checkpoint) or time.monotonic() - self._checked_at < self.settings.grow_check_interval_s:
+            return None
+        self._checked_at = time.monotonic()
+        extra = free_room(self.request, self.settings.max_workers - size)
+        if not extra:
+            return None
+        return WorkersGrowError(
+            f"ray_lightning: the cluster can hold {size + extra} workers now (num_workers="
+            f"({self.settings.min_workers}, {self.settings.max_workers}), {size} running); the fit goes on from the "
+            f"recovery checkpoint at epoch {checkpoint.epoch}, step {checkpoint.global_step}, on {size + extra}.",
+            size + extra,
+        )
+
+    def _nothing_left(self, checkpoint: Any) -> bool:
+        # An epoch's checkpoint names the epoch after it; a step's, the epoch it is in.
+        if self.max_epochs is not None and 0 <= self.max_epochs <= checkpoint.epoch:
+            return True
+        return self.max_steps is not None and 0 <= self.max_steps <= checkpoint.global_step

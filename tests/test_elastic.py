@@ -1,0 +1,148 @@
+"""Elastic workers, ``num_workers=(min, max)``: the arguments, the batch policy, the position across a resize.
+
+The multi-node resizes (start on 2, grow to 3, go on with 2 after a lost node) are in tests/test_restarts_multinode.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DistributedSampler
+
+from ray_lightning import HorovodRayStrategy, RayAccelerator, RayStrategy
+from ray_lightning.config.elastic import ElasticSettings, worker_range
+from ray_lightning.data.elastic import ContinuingSampler, global_batch_split
+from ray_lightning.errors import RayWorkerError, WorkerDiedError, WorkersGrowError
+from ray_lightning.launch.elastic import Growth
+from ray_lightning.launch.failures import Failure, Kind, classify, decide
+from tests.models import BoringModel
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "error", "match"),
+    [
+        ((3, 2), ValueError, r"1 <= min <= max, got \(3, 2\)"),
+        ((0, 2), ValueError, "1 <= min <= max"),
+        ((2, "3"), TypeError, "pair"),
+        ((1, 2, 3), TypeError, "pair"),
+        (True, TypeError, "int"),
+    ],
+)
+def test_bad_worker_ranges_fail_in_the_constructor(num_workers, error, match):
+    with pytest.raises(error, match=match):
+        RayStrategy(num_workers=num_workers)
+
+
+def test_every_form_takes_a_range_and_a_fixed_size_is_not_elastic(monkeypatch):
+    assert RayStrategy(num_workers=(2, 4)).workers.elastic == ElasticSettings(2, 4)
+    assert RayStrategy(num_workers=[2, 4], batch_policy="leave").workers.elastic.batch_policy == "leave"
+    assert RayStrategy(num_workers=(3, 3)).workers.elastic is None and RayStrategy(num_workers=3).num_workers == 3
+    assert RayAccelerator(num_workers=(1, 2)).make_strategy().workers.elastic.max_workers == 2
+    monkeypatch.setenv("RAY_LIGHTNING_NUM_WORKERS", "2,3")
+    monkeypatch.setenv("RAY_LIGHTNING_BATCH_POLICY", "scale_lr")
+    monkeypatch.setenv("RAY_LIGHTNING_GROW_CHECK_INTERVAL_S", "5")
+    assert RayStrategy().workers.elastic == ElasticSettings(2, 3, "scale_lr", 5.0)
+    assert RayStrategy(num_workers=4).workers.elastic is None  # the argument wins
+    monkeypatch.setenv("RAY_LIGHTNING_NUM_WORKERS", "two")
+    with pytest.raises(ValueError, match="RAY_LIGHTNING_NUM_WORKERS .*'two'"):
+        RayStrategy()
+
+
+def test_bad_elastic_arguments_name_themselves():
+    with pytest.raises(ValueError, match="batch_policy must be one of 'keep_global_batch', 'scale_lr', 'leave'"):
+        RayStrategy(num_workers=(1, 2), batch_policy="linear")
+    with pytest.raises(ValueError, match="grow_check_interval_s"):
+        RayStrategy(num_workers=(1, 2), grow_check_interval_s=-1)
+    with pytest.raises(ValueError, match="num_hosts"):
+        HorovodRayStrategy(num_workers=(1, 2), num_hosts=2)
+    assert worker_range((1, 2)) == (1, 2) and worker_range(4) == (4, 4)
+
+
+@pytest.mark.parametrize(
+    ("global_batch", "world", "most", "split"),
+    [
+        (24, 3, 8, (8, 1)),  # the reference size: the user's batch
+        (24, 2, 8, (6, 2)),  # 12 a worker would grow the batch: accumulate instead
+        (32, 2, 8, (8, 2)),  # 4 x 8 -> 2 x 8 x 2
+        (30, 4, 10, None),  # 4 does not divide 30
+    ],
+)
+def test_the_global_batch_is_kept_without_growing_a_workers_batch(global_batch, world, most, split):
+    assert global_batch_split(global_batch, world, most) == split
+
+
+@pytest.mark.parametrize(("old", "new"), [(3, 2), (2, 3), (2, 2)])
+def test_a_resumed_epoch_deals_the_rest_of_its_order_over_the_new_ranks(old, new):
+    data, batch, done = list(range(96)), 4, 3  # 3 batches a rank trained on `old` ranks
+    before = [DistributedSampler(data, old, r, shuffle=True, seed=7) for r in range(old)]
+    for sampler in before:
+        sampler.set_epoch(1)
+    trained = [i for sampler in before for i in list(sampler)[: done * batch]]
+    after = [
+        ContinuingSampler(DistributedSampler(data, new, r, shuffle=True, seed=7), len(trained), 1) for r in range(new)
+    ]
+    rest = [i for sampler in after for i in sampler]
+    assert sorted(trained + rest) == data, "every sample of the epoch once"
+    assert all(len(s) == 96 // new for s in after), "the loader's length stays a whole epoch's"
+    if old == new:  # the same ranks get what they would have had without the restart
+        assert [list(s) for s in after] == [list(s)[done * batch :] for s in before]
+    after[0].set_epoch(2)
+    plain = DistributedSampler(data, new, 0, shuffle=True, seed=7)
+    plain.set_epoch(2)
+    assert list(after[0]) == list(plain), "the next epoch is whole"
+
+
+def test_growing_is_a_restart_max_failures_does_not_count():
+    grow = classify(WorkersGrowError("room for 3", 3), {}, set())
+    assert grow.kind is Kind.GROW and decide(grow, restarts_done=5, max_failures=0).restart
+    died = Failure(Kind.NODE_LOST, WorkerDiedError("gone", rank=1), rank=1)
+    assert not decide(died, restarts_done=1, max_failures=1).restart
+    assert isinstance(WorkersGrowError("x", 2), RayWorkerError)
+
+
+class _Checkpoint:
+    def __init__(self, epoch: int, global_step: int, reason: str = "epoch boundary") -> None:
+        self.epoch, self.global_step, self.reason = epoch, global_step, reason
+
+
+def test_no_growth_at_the_most_workers_nor_after_the_last_epoch_nor_between_checkpoints():
+    growth = Growth(ElasticSettings(2, 3, grow_check_interval_s=0), None, max_epochs=3, max_steps=-1)
+    assert growth.check(3, _Checkpoint(1, 4)) is None  # already at max: nothing asked of the cluster
+    assert growth.check(2, None) is None  # no checkpoint yet to grow from
+    assert growth.check(2, _Checkpoint(3, 12)) is None  # the last epoch's: nothing left to train
+    stepped = Growth(ElasticSettings(2, 3, grow_check_interval_s=0), None, max_epochs=-1, max_steps=10)
+    assert stepped.check(2, _Checkpoint(2, 10, "every 2 steps")) is None
+
+
+class LogsLearningRate(BoringModel):
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__(lr=0.3, batch_size=batch_size, size=48)
+
+    def training_step(self, batch, batch_idx):
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], reduce_fx="max")
+        self.log("world", float(self.trainer.world_size), reduce_fx="max")
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+# Two of these fit the session's Ray (4 custom_accel): a (2, 3) fit starts on 2.
+TWO_FIT = {"CPU": 1, "custom_accel": 2}
+
+
+def test_scale_lr_trains_fewer_workers_at_a_proportionally_lower_rate(ray_local):
+    strategy = RayStrategy(num_workers=(2, 3), resources_per_worker=TWO_FIT, batch_policy="scale_lr")
+    trainer = pl.Trainer(max_epochs=1, strategy=strategy, enable_progress_bar=False, logger=False)
+    trainer.fit(LogsLearningRate())
+    assert trainer.callback_metrics["world"].item() == 2 and trainer.world_size == 2
+    assert trainer.callback_metrics["lr"].item() == pytest.approx(0.3 * 2 / 3)
+    assert trainer.strategy.restarts == []
+
+
+def test_a_global_batch_two_workers_cannot_keep_fails_naming_the_sizes(ray_local):
+    strategy = RayStrategy(num_workers=(2, 3), resources_per_worker=TWO_FIT)
+    trainer = pl.Trainer(max_epochs=1, strategy=strategy, enable_progress_bar=False, logger=False)
+    with pytest.raises(RayWorkerError, match=r"global batch 5 x 1 .* x 3 workers = 15 on 2 workers"):
+        trainer.fit(LogsLearningRate(batch_size=5))
