@@ -34,10 +34,11 @@ NODE_TYPES = {
     "accel_node": {"CPU": 1, "accel": 1},
     "spare_node": {"CPU": 1, "spare": 1},
     "shared_node": {"CPU": 1, "shared": 1},
+    "grow_node": {"CPU": 1, "grow": 1},
 }
 TYPES_TEXT = (
     "accel_node {CPU: 1, accel: 1} (up to 2); spare_node {CPU: 1, spare: 1} (up to 2); "
-    "shared_node {CPU: 1, shared: 1} (up to 2); max_workers 6 in all"
+    "shared_node {CPU: 1, shared: 1} (up to 2); grow_node {CPU: 1, grow: 1} (up to 2); max_workers 8 in all"
 )
 
 
@@ -182,3 +183,26 @@ def test_fit_waits_for_the_nodes_the_autoscaler_adds(autoscaling_cluster, driver
     assert _nodes_with("accel") == 2
     assert any("for the autoscaler to add nodes for 2 worker(s) x {1 CPU, 1 accel}" in line for line in driver_log)
     assert any(line.startswith("ray_lightning: reserved 2 worker(s)") for line in driver_log), driver_log
+
+
+class WaitsForTheSecondNode(BoringModel):
+    """On one worker, rank 0 waits at its first batch (bounded) until the autoscaler has added a second grow_node."""
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.world_size == 1 and (self.current_epoch, batch_idx) == (0, 0):
+            wait_for(lambda: _nodes_with("grow") == 2, 240, "the autoscaler to add a second grow_node")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_elastic_fit_grows_onto_the_node_it_asked_the_autoscaler_for(autoscaling_cluster, driver_log, monkeypatch):
+    if autoscaling_cluster.version != "v1":
+        pytest.skip("request_resources is one call for both autoscalers: v1's cluster checks it")
+    assert _nodes_with("grow") == 0, "this test needs no grow_node up: run the file's tests in order"
+    monkeypatch.setenv(SCALE_UP_TIMEOUT_ENV, "300")
+    strategy = RayStrategy(num_workers=(1, 2), resources_per_worker={"CPU": 1, "grow": 1}, grow_check_interval_s=0)
+    trainer = pl.Trainer(max_epochs=2, strategy=strategy, logger=False, enable_progress_bar=False)
+    trainer.fit(WaitsForTheSecondNode())
+    (grow,) = trainer.strategy.restarts
+    assert (grow.reason, grow.world_size, grow.epoch) == ("grow", 2, 1), grow
+    assert trainer.world_size == 2 and _nodes_with("grow") == 2
+    assert any("asked the autoscaler for room for 2 workers" in line for line in driver_log), driver_log

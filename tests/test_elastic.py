@@ -5,6 +5,8 @@ The multi-node resizes (start on 2, grow to 3, go on with 2 after a lost node) a
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -17,6 +19,8 @@ from ray_lightning.errors import RayWorkerError, WorkerDiedError, WorkersGrowErr
 from ray_lightning.launch.elastic import Growth
 from ray_lightning.launch.failures import Failure, Kind, classify, decide
 from tests.models import BoringModel
+
+needs_horovod = pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="Horovod is not installed")
 
 
 @pytest.mark.parametrize(
@@ -146,3 +150,24 @@ def test_a_global_batch_two_workers_cannot_keep_fails_naming_the_sizes(ray_local
     trainer = pl.Trainer(max_epochs=1, strategy=strategy, enable_progress_bar=False, logger=False)
     with pytest.raises(RayWorkerError, match=r"global batch 5 x 1 .* x 3 workers = 15 on 2 workers"):
         trainer.fit(LogsLearningRate(batch_size=5))
+
+
+class LogsBatch(LogsLearningRate):
+    def training_step(self, batch, batch_idx):
+        self.log("batch", float(len(batch[0])), reduce_fx="max")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(
+    ("strategy_class", "batch", "accumulation"),
+    [("RayStrategy", 6, 2), pytest.param("HorovodRayStrategy", 12, 1, marks=needs_horovod)],
+)
+def test_two_of_three_workers_keep_the_global_batch_of_three(ray_local, strategy_class, batch, accumulation):
+    """3 x 8 = 24 a step: 2 x 6 x 2 accumulated under DDP; Horovod fixes the accumulation, so 2 x 12."""
+    cls = getattr(__import__("ray_lightning"), strategy_class)
+    strategy = cls(num_workers=(2, 3), resources_per_worker=TWO_FIT)
+    trainer = pl.Trainer(max_epochs=1, strategy=strategy, enable_progress_bar=False, logger=False)
+    trainer.fit(LogsBatch())
+    assert trainer.world_size == 2 and trainer.callback_metrics["batch"].item() == batch
+    assert trainer.global_step == 48 // 24, "as many optimizer steps as on three workers"
+    assert trainer.callback_metrics["lr"].item() == pytest.approx(0.3), "keep_global_batch leaves the rate"

@@ -8,10 +8,17 @@ more workers fit now (:func:`~.placement.free_room`); if so the attempt ends wit
 :class:`~ray_lightning.errors.WorkersGrowError` and the fit restarts from that checkpoint on more workers
 (:mod:`.failures` restarts it without counting it against ``max_failures``). Not after the last epoch's
 checkpoint: nothing would be left to train.
+
+On a cluster with an autoscaler, a fit running below ``max`` asks it for room for ``max`` workers
+(``ray.autoscaler.sdk.request_resources``: a lost spot node is replaced even though nothing is pending), and
+takes the request back when the call ends. Ray keeps one such request per cluster: two elastic fits at once
+replace each other's (documented; a job's other requests would be replaced the same way).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from typing import Any
 
@@ -19,7 +26,10 @@ from ray_lightning.config.elastic import ElasticSettings
 from ray_lightning.config.resources import WorkerResources
 from ray_lightning.errors import WorkersGrowError
 from ray_lightning.home.recovery import EPOCH
+from ray_lightning.launch.autoscaler import find_autoscaler
 from ray_lightning.launch.placement import free_room
+
+log = logging.getLogger(__name__)
 
 
 class Growth:
@@ -34,6 +44,27 @@ class Growth:
         self.max_steps = max_steps
         self._checked_at = float("-inf")
         self._seen: Any = None
+        self._asked = False  # whether this call asked the autoscaler for room
+
+    def ask_autoscaler(self, size: int) -> None:
+        """Running on ``size`` workers: on a cluster with an autoscaler, ask it for room for the most (once)."""
+        if size >= self.settings.max_workers or self._asked or find_autoscaler() is None:
+            return
+        from ray.autoscaler.sdk import request_resources
+
+        bundles, _ = self.request.with_workers(self.settings.max_workers).placement()
+        request_resources(bundles=bundles)
+        self._asked = True
+        log.info("ray_lightning: asked the autoscaler for room for %d workers", self.settings.max_workers)
+
+    def close(self) -> None:
+        """After the call: take back the autoscaler request, if this call made one."""
+        if self._asked:
+            from ray.autoscaler.sdk import request_resources
+
+            with contextlib.suppress(Exception):  # the cluster may be gone
+                request_resources(bundles=[])
+            self._asked = False
 
     def check(self, size: int, checkpoint: Any) -> WorkersGrowError | None:
         """After a message from the workers: the error that ends the attempt to grow from ``size`` workers, or None.

@@ -192,6 +192,8 @@ class RayLauncher(*_lightning.launcher_bases()):
         finally:
             self._running = None
             call.recovery.close()
+            if call.growth is not None:
+                call.growth.close()
 
     def _elastic(self, trainer: pl.Trainer | None) -> ElasticSettings | None:
         """The elastic settings a call uses: a Trainer's fit outside a Tune trial (whose bundles are fixed)."""
@@ -233,6 +235,8 @@ class RayLauncher(*_lightning.launcher_bases()):
         """Attempts of the call until one succeeds, or a failure no restart follows is raised."""
         group = self._acquire_group(call)
         while True:
+            if call.growth is not None:
+                call.growth.ask_autoscaler(len(group.ranks))
             attempt = self._attempt(group, call)
             if attempt.failure is None:
                 return attempt
