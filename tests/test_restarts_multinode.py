@@ -132,40 +132,6 @@ def test_losing_a_node_without_max_failures_fails_naming_the_rank(three_worker_n
     assert time.monotonic() - started < 240
 
 
-def _drain(node_id: str, deadline_s: float) -> None:
-    from ray._raylet import GcsClient
-    from ray.core.generated import autoscaler_pb2
-
-    client = GcsClient(ray.get_runtime_context().gcs_address)
-    deadline_ms = int((time.time() + deadline_s) * 1000)
-    accepted, reason = client.drain_node(
-        node_id, autoscaler_pb2.DRAIN_NODE_REASON_PREEMPTION, "spot instance reclaimed", deadline_ms
-    )
-    assert accepted, reason
-
-
-def test_a_node_drained_for_preemption_gets_a_checkpoint_before_it_goes(three_worker_nodes, tmp_path):
-    marker = str(tmp_path / "rank1-node")
-    drained: list[tuple[str, int, float]] = []
-
-    def drain(node: str, step: int) -> None:
-        drained.append((node, step, time.monotonic()))
-        _drain(node, deadline_s=60)
-
-    remover = _when_marked(marker, drain)
-    # Drained at the second step of epoch 0 (of 16): restarted mid-epoch 0, then the fit trains on to its end.
-    trainer = _trainer(tmp_path, max_epochs=2, max_failures=1)
-    trainer.fit(MarksWhereItIs(marker, rank=1, epoch=0, batch=1, size=256))
-    remover.join(timeout=60)
-
-    (restart,) = trainer.strategy.restarts
-    ((node, step, _),) = drained
-    assert restart.reason == "preempted" and "is being drained" in restart.cause and node[:8] in restart.cause
-    # Rank 0 checkpointed mid-epoch 0, a few steps after the drain: the restart loses only those.
-    assert restart.epoch == 0 and step <= restart.global_step <= step + 8
-    assert (trainer.current_epoch, trainer.global_step) == (2, 32)
-
-
 class CountsSamples(BoringModel):
     """Writes what each micro-batch trained (epoch, step, sample ids, world size, attempt) into ``directory``;
     rank 0 waits at ``waits[(attempt, epoch, batch_idx)]`` for the test to change the cluster (bounded)."""
@@ -259,3 +225,37 @@ def test_an_elastic_fit_starts_on_two_grows_to_three_and_goes_on_with_two_after_
         assert ids == list(range(96)), f"epoch {epoch}: every sample once"
     for step in range(12):  # keep_global_batch: 3 x 8 on three workers, 2 x 6 x 2 accumulated on two
         assert sum(len(r["ids"]) for r in trained if r["step"] == step) == 24, step
+
+
+def _drain(node_id: str, deadline_s: float) -> None:
+    from ray._raylet import GcsClient
+    from ray.core.generated import autoscaler_pb2
+
+    client = GcsClient(ray.get_runtime_context().gcs_address)
+    deadline_ms = int((time.time() + deadline_s) * 1000)
+    accepted, reason = client.drain_node(
+        node_id, autoscaler_pb2.DRAIN_NODE_REASON_PREEMPTION, "spot instance reclaimed", deadline_ms
+    )
+    assert accepted, reason
+
+
+def test_a_node_drained_for_preemption_gets_a_checkpoint_before_it_goes(three_worker_nodes, tmp_path):
+    marker = str(tmp_path / "rank1-node")
+    drained: list[tuple[str, int, float]] = []
+
+    def drain(node: str, step: int) -> None:
+        drained.append((node, step, time.monotonic()))
+        _drain(node, deadline_s=60)
+
+    remover = _when_marked(marker, drain)
+    # Drained at the second step of epoch 0 (of 16): restarted mid-epoch 0, then the fit trains on to its end.
+    trainer = _trainer(tmp_path, max_epochs=2, max_failures=1)
+    trainer.fit(MarksWhereItIs(marker, rank=1, epoch=0, batch=1, size=256))
+    remover.join(timeout=60)
+
+    (restart,) = trainer.strategy.restarts
+    ((node, step, _),) = drained
+    assert restart.reason == "preempted" and "is being drained" in restart.cause and node[:8] in restart.cause
+    # Rank 0 checkpointed mid-epoch 0, a few steps after the drain: the restart loses only those.
+    assert restart.epoch == 0 and step <= restart.global_step <= step + 8
+    assert (trainer.current_epoch, trainer.global_step) == (2, 32)

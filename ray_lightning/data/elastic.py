@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Where a checkpoint keeps the epoch's position and the size its learning rates are for.
+CHECKPOINT_KEY = "ray_lightning_elastic"
+
 
 class ContinuingSampler(DistributedSampler):
     """``DistributedSampler``'s order for the epoch ``resume_epoch`` from global position ``start`` on, dealt over
@@ -85,27 +88,16 @@ class ElasticTraining(*namespaces.every("callbacks.Callback")):
 
     def __init__(self, max_workers: int | None, min_workers: int | None, batch_policy: str | None) -> None:
         self.max_workers, self.min_workers, self.batch_policy = max_workers, min_workers, batch_policy
-        self._trainer: Any = None
         self._restored: dict[str, Any] = {}
         self._lr_world: int | None = None
         self._pass: tuple[int, int, int, int] | None = None  # (epoch, samples before, batches before, samples/batch)
         self._user_accumulation: int | None = None
 
-    @property
     @override
-    def state_key(self) -> str:
-        return "ray_lightning.ElasticTraining"
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._trainer = trainer
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        trainer = self._trainer
-        if trainer is None:
-            return {}
-        return {
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        # A key of its own, not a callback state: a checkpoint loaded where this callback is absent (a plain
+        # Trainer) would warn about a missing callback.
+        checkpoint[CHECKPOINT_KEY] = {
             "epoch": trainer.current_epoch,
             "samples": self.samples_trained(trainer),
             "world_size": trainer.world_size,
@@ -113,8 +105,8 @@ class ElasticTraining(*namespaces.every("callbacks.Callback")):
         }
 
     @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored = dict(state_dict)
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        self._restored = dict(checkpoint.get(CHECKPOINT_KEY) or {})
 
     def samples_trained(self, trainer: pl.Trainer) -> int:
         """The current epoch's samples trained so far, over every rank."""
@@ -161,41 +153,34 @@ class ElasticTraining(*namespaces.every("callbacks.Callback")):
 
     def _keep_global_batch(self, trainer: pl.Trainer, loader: Any, world: int) -> Any:
         assert self.max_workers is not None
-        batch = getattr(loader, "batch_size", None)
         if self._user_accumulation is None:
             self._user_accumulation = int(trainer.accumulate_grad_batches)
         accumulation = self._user_accumulation
-        if not batch:
-            if world != self.max_workers:
-                raise ValueError(
-                    "ray_lightning: batch_policy='keep_global_batch' needs the training loader's batch_size (a torch "
-                    f"DataLoader's), and {type(loader).__name__} has none; use batch_policy='scale_lr' or 'leave'."
-                )
-            return loader
+        batch = getattr(loader, "batch_size", None) if type(loader) is DataLoader else None
         # Horovod fixes the accumulation when it wraps the optimizer, before the loader exists: only the batch moves.
         fixed = accumulation if getattr(trainer.strategy, "fixed_accumulation", False) else None
-        total = batch * accumulation * self.max_workers
-        sizes = {w: global_batch_split(total, w, batch, fixed) for w in self._sizes()}
+        if batch:
+            total = batch * accumulation * self.max_workers
+            sizes = {w: global_batch_split(total, w, batch, fixed) for w in self._sizes()}
+        else:
+            # Another loader (RayDataModule's) keeps its batch: the accumulation alone makes up for fewer workers.
+            total = accumulation * self.max_workers
+            sizes = {w: _accumulated(total, w, fixed) for w in self._sizes()}
         bad = [w for w, split in sizes.items() if split is None]
         if bad:
+            what = f"{batch} x {accumulation}" if batch else f"{type(loader).__name__}'s batch x {accumulation}"
+            how = " with accumulate_grad_batches fixed, as Horovod has it" if fixed else ""
+            how += "" if batch else " by accumulation alone: only a torch DataLoader's batch size can change"
             raise ValueError(
-                f"ray_lightning: batch_policy='keep_global_batch' cannot keep the global batch {batch} x "
-                f"{accumulation} (accumulate_grad_batches) x {self.max_workers} workers = "
-                f"{total} on {', '.join(map(str, bad))} workers (it does not divide"
-                f"{' with accumulate_grad_batches fixed, as Horovod has it' if fixed else ''}); pick a batch size "
-                "whose global batch every size in num_workers=(min, max) divides, or "
+                f"ray_lightning: batch_policy='keep_global_batch' cannot keep the global batch {what} "
+                f"(accumulate_grad_batches) x {self.max_workers} workers on {', '.join(map(str, bad))} workers (it "
+                f"does not divide{how}); pick sizes every size in num_workers=(min, max) divides, or "
                 "batch_policy='scale_lr' or 'leave'."
             )
         new_batch, new_accumulation = sizes[world]  # type: ignore[misc]
         trainer.accumulate_grad_batches = new_accumulation
-        if new_batch == batch:
+        if not batch or new_batch == batch:
             return loader
-        if type(loader) is not DataLoader:
-            raise ValueError(
-                f"ray_lightning: batch_policy='keep_global_batch' would train {type(loader).__name__} with batches of "
-                f"{new_batch} on {world} workers, and can change only a torch DataLoader's; use a DataLoader, a batch "
-                "size the sizes divide with accumulation alone, or batch_policy='scale_lr' or 'leave'."
-            )
         return _rebuilt(loader, new_batch, loader.sampler)
 
     def _sizes(self) -> range:
@@ -241,6 +226,13 @@ def global_batch_split(
     splits = [(per_world // a, a) for a in range(1, per_world + 1) if per_world % a == 0]
     fitting = [s for s in splits if s[0] <= most]
     return fitting[0] if fitting else splits[0]
+
+
+def _accumulated(total: int, world: int, fixed: int | None) -> tuple[int, int] | None:
+    """``(1, accumulation)`` making ``total`` batches a step on ``world`` workers (None: it does not divide)."""
+    if total % world or fixed not in (None, total // world):
+        return None
+    return 1, total // world
 
 
 def scale_learning_rates(trainer: pl.Trainer, factor: float) -> None:
