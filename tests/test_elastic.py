@@ -6,6 +6,8 @@ The multi-node resizes (start on 2, grow to 3, go on with 2 after a lost node) a
 from __future__ import annotations
 
 import importlib.util
+import threading
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -18,6 +20,7 @@ from ray_lightning.data.elastic import ContinuingSampler, global_batch_split
 from ray_lightning.errors import RayWorkerError, WorkerDiedError, WorkersGrowError
 from ray_lightning.launch.elastic import Growth
 from ray_lightning.launch.failures import Failure, Kind, classify, decide
+from tests.conftest import wait_for
 from tests.models import BoringModel
 
 needs_horovod = pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="Horovod is not installed")
@@ -172,3 +175,55 @@ def test_two_of_three_workers_keep_the_global_batch_of_three(ray_local, strategy
     assert trainer.world_size == 2 and trainer.callback_metrics["batch"].item() == batch
     assert trainer.global_step == 48 // 24, "as many optimizer steps as on three workers"
     assert trainer.callback_metrics["lr"].item() == pytest.approx(0.3), "keep_global_batch leaves the rate"
+
+
+class WaitsForRoom(LogsBatch):
+    """On two workers, rank 0 waits at its first batch (bounded) until the test freed room for a third."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        self.directory = directory
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.world_size == 2 and self.global_rank == 0 and (self.current_epoch, batch_idx) == (0, 0):
+            (Path(self.directory) / "asked").touch()
+            wait_for(lambda: (Path(self.directory) / "freed").exists(), 120, "the test to free room for a worker")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_sharded_fit_grows_from_two_to_three_workers_at_an_epoch_end(ray_local, tmp_path):
+    """Room for a third worker (another job's reservation ends) during epoch 0: epoch 1 runs on three, resumed from
+    the checkpoint gathered on rank 0 by two."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from ray_lightning import RayFSDPStrategy
+
+    other_job = placement_group([{"custom_accel": 2}])  # of the session's 4: room for two one-accel workers
+    assert other_job.wait(60)
+    strategy = RayFSDPStrategy(
+        num_workers=(2, 3), resources_per_worker={"CPU": 1, "custom_accel": 1}, grow_check_interval_s=0
+    )
+    trainer = pl.Trainer(max_epochs=2, strategy=strategy, enable_progress_bar=False, logger=False)
+    model = WaitsForRoom(str(tmp_path))
+    before = model.layer.weight.detach().clone()
+    errors: list[BaseException] = []
+    fit = threading.Thread(target=lambda: _recorded(errors, trainer.fit, model), daemon=True)
+    fit.start()
+    try:
+        wait_for(lambda: (tmp_path / "asked").exists() or not fit.is_alive(), 120, "rank 0 to start on two")
+    finally:
+        remove_placement_group(other_job)
+    (tmp_path / "freed").touch()
+    fit.join(timeout=300)
+    assert not fit.is_alive() and not errors, errors
+    (grow,) = trainer.strategy.restarts
+    assert (grow.reason, grow.world_size, grow.epoch, grow.global_step) == ("grow", 3, 1, 2), grow
+    assert trainer.world_size == 3 and trainer.global_step == 4, "2 steps of 24 samples an epoch on 2 and on 3"
+    assert trainer.callback_metrics["batch"].item() == 8 and not torch.equal(model.layer.weight, before)
+
+
+def _recorded(errors: list, function, *args) -> None:
+    try:
+        function(*args)
+    except BaseException as error:  # noqa: BLE001 - the test's thread raises it
+        errors.append(error)
