@@ -8,6 +8,7 @@
     python3 dev.py bench sharded    # RayFSDPStrategy against Lightning's own sharded training
     python3 dev.py bench step       # a step of ~8 ms and the first fit: RayStrategy against ddp_spawn
     python3 dev.py bench tune       # a PBT search on Ray Tune: ray_lightning's Tune support against Ray Train v2
+    python3 dev.py bench elastic    # a spot node lost and back: elastic RayStrategy against a fixed size and Ray Train
     python3 dev.py matrix    # the smoke tests on every corner of the supported version window (README table)
     python3 dev.py gpu       # on a machine with CUDA: every GPU test and the GPU benchmarks, one report
 
@@ -66,7 +67,7 @@ LITGPT_VERSION = "0.5.13"
 SAFETENSORS_VERSION = "0.8.0"  # what LitGPT needs beyond the test extra
 WHEEL_CACHE = Path(os.environ.get("RAY_LIGHTNING_WHEEL_CACHE", Path.home() / ".cache" / "ray_lightning" / "wheels"))
 # `dev.py bench NAME` runs benchmarks/NAME.py instead of the training-speed benchmark (benchmarks/run.py).
-BENCHMARKS = ("data", "fabric", "recovery", "sharded", "step", "storage", "tune")
+BENCHMARKS = ("data", "elastic", "fabric", "recovery", "sharded", "step", "storage", "tune")
 # Everything whose change means the environment must be brought up to date.
 INSTALL_INPUTS = ("setup.py", "dev.py")
 

@@ -74,7 +74,9 @@ class RayStrategy(RayWorkersMixin):
     (:mod:`ray_lightning.namespaces`).
 
     Args:
-        num_workers: number of training processes (Ray actors).
+        num_workers: number of training processes (Ray actors); ``(min, max)``: elastic, as many as the cluster
+            holds, fewer after a lost node, more again at an epoch's end (``RAY_LIGHTNING_NUM_WORKERS`` when left
+            out: ``4`` or ``2,4``).
         num_cpus_per_worker: CPUs reserved for each worker.
         use_gpu: reserve one GPU per worker and train on CUDA with NCCL.
         resources_per_worker: Ray resources per worker, e.g. ``{"CPU": 2, "GPU": 0.5, "my_accel": 1}``.
@@ -108,6 +110,10 @@ class RayStrategy(RayWorkersMixin):
         recovery_checkpoint_every_n_steps: with ``max_failures > 0``, rank 0 sends the driver a
             checkpoint at every epoch boundary, and also every this many optimizer steps when set.
             Default None (epoch boundaries only), or ``RAY_LIGHTNING_RECOVERY_CHECKPOINT_EVERY_N_STEPS``.
+        batch_policy: with ``num_workers=(min, max)``, what a resize keeps: ``"keep_global_batch"`` (default: the
+            global batch of ``max`` workers), ``"scale_lr"`` (learning rates x ``world_size / max``) or ``"leave"``.
+        grow_check_interval_s: with ``num_workers=(min, max)``, the least time between two checks (at epoch ends)
+            for room for more workers. Default 30 s.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` and from there to
             ``DistributedDataParallel`` (``find_unused_parameters=True``, ``static_graph=True``, ...).
 
@@ -115,6 +121,8 @@ class RayStrategy(RayWorkersMixin):
 
         trainer = pl.Trainer(max_epochs=4, strategy=RayStrategy(num_workers=4, use_gpu=True))
         trainer.fit(model)  # the weights, metrics and best checkpoint are back here afterwards
+        # on spot nodes: 2 to 8 workers, the global batch of 8 kept
+        RayStrategy(num_workers=(2, 8), use_gpu=True, max_failures=5)
     """
 
     registry_name = "ray"
