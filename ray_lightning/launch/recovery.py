@@ -104,9 +104,18 @@ class Recovery:
         self._directory: str | None = None
         self._latest: _Checkpoint | None = None
         self._going_away: dict[str, Any] | None = None  # the header of a preemption checkpoint, until acted on
-        self.notice_key = f"notice-{uuid.uuid4().hex}"
+        self._call_id = uuid.uuid4().hex
         self._synced: set[str] = set()  # files a staged rank 0 wrote that are on this machine now
         self.started = time.time()
+
+    @property
+    def notice_key(self) -> str:
+        """Where this attempt's workers leave word that one of them is going away (Ray's key-value store): one key
+        per attempt, so a notice a worker of an earlier attempt left does not move the next attempt's workers."""
+        return self._notice_key(len(self.restarts))
+
+    def _notice_key(self, attempt: int) -> str:
+        return f"notice-{attempt}-{self._call_id}"  # the call's id last: storage folders are named by its end
 
     @property
     def enabled(self) -> bool:
@@ -291,7 +300,8 @@ class Recovery:
             shutil.rmtree(self._directory, ignore_errors=True)
             self._directory = None
         if self.takes_checkpoints:
-            forget_notice(self.notice_key)
+            for attempt in range(len(self.restarts) + 1):
+                forget_notice(self._notice_key(attempt))
 
 
 def _checkpoint_in_storage(header: dict[str, Any]) -> _Checkpoint:
