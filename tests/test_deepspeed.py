@@ -112,6 +112,7 @@ def test_a_lightning_trainer_and_the_accelerator_form():
     "kwargs, error, match",
     [
         ({"max_failures": 1}, ValueError, "cannot restart its workers"),
+        ({"num_workers": (1, 2)}, ValueError, r"cannot resize \(num_workers=\(1, 2\)\)"),
         ({"stage": 4}, ValueError, "ZeRO stage"),
         ({"stge": 3}, TypeError, "did you mean 'stage'"),
         ({"process_group_backend": "nccl"}, ValueError, "use_gpu=True"),
@@ -120,7 +121,7 @@ def test_a_lightning_trainer_and_the_accelerator_form():
 )
 def test_arguments_that_cannot_work_fail_in_the_constructor(kwargs, error, match):
     with pytest.raises(error, match=match):
-        RayDeepSpeedStrategy(num_workers=2, **kwargs)
+        RayDeepSpeedStrategy(**{"num_workers": 2, **kwargs})
 
 
 def test_without_deepspeed_the_error_says_what_to_install(monkeypatch):

@@ -129,6 +129,13 @@ class RayDeepSpeedStrategy(RayWorkersMixin, RankPartsMixin):
                 "or RAY_LIGHTNING_MAX_FAILURES): a ZeRO optimizer's state is split over the ranks, and a restart "
                 "would resume without it. Use max_failures=0, or RayFSDPStrategy, which restarts."
             )
+        elastic = self.workers.elastic
+        if elastic is not None:
+            raise ValueError(
+                f"RayDeepSpeedStrategy cannot resize (num_workers=({elastic.min_workers}, {elastic.max_workers})): "
+                "a resize restarts the workers from a checkpoint, and a ZeRO optimizer's state is split over the "
+                "ranks. Give a fixed num_workers, or use RayFSDPStrategy, which resizes."
+            )
         self.full_weights_home = full_weights_home
         super().__init__(
             accelerator=None, parallel_devices=None, cluster_environment=None, stage=stage, **deepspeed_kwargs
