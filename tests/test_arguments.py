@@ -84,7 +84,8 @@ _FINITE = "must be a finite number of seconds"
             lambda: HorovodRayAccelerator(bogus=1),
             TypeError,
             r"HorovodRayAccelerator got unknown keyword argument\(s\) 'bogus'\. HorovodRayAccelerator takes "
-            r"its own arguments and HorovodRayStrategy's: cpus_per_worker, init_hook, .*num_hosts",
+            r"its own arguments and HorovodRayStrategy's: batch_policy, cpus_per_worker, grow_check_interval_s, "
+            r"init_hook, .*num_hosts",
         ),
         (lambda: HorovodRayAccelerator(num_worker=2), TypeError, r"'num_worker' \(did you mean 'num_workers'\?\)"),
         (

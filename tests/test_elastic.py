@@ -191,7 +191,7 @@ class WaitsForRoom(LogsBatch):
         return super().training_step(batch, batch_idx)
 
 
-def test_a_sharded_fit_grows_from_two_to_three_workers_at_an_epoch_end(ray_local, tmp_path):
+def test_a_sharded_fit_grows_from_two_to_three_workers_at_an_epoch_end(ray_local, no_waiting_workers, tmp_path):
     """Room for a third worker (another job's reservation ends) during epoch 0: epoch 1 runs on three, resumed from
     the checkpoint gathered on rank 0 by two."""
     from ray.util.placement_group import placement_group, remove_placement_group

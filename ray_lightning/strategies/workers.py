@@ -503,9 +503,10 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
     def process_dataloader(self, dataloader: Any) -> Any:
         """In a worker: the training loader at this world size and position (``data.elastic``, restartable fits)."""
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        module = getattr(self, "lightning_module", None)  # Fabric's strategies have none
         try:
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        except RuntimeError:  # a module attached to no Trainer (Fabric)
+            trainer = module.trainer if module is not None else None
+        except RuntimeError:  # a module attached to no Trainer
             trainer = None
         elastic = find_elastic(trainer) if trainer is not None and trainer.training else None
         return elastic.process_loader(trainer, dataloader) if elastic is not None else dataloader
