@@ -100,7 +100,6 @@ class ElasticTraining(*namespaces.every("callbacks.Callback")):
         checkpoint[CHECKPOINT_KEY] = {
             "epoch": trainer.current_epoch,
             "samples": self.samples_trained(trainer),
-            "world_size": trainer.world_size,
             "lr_world": self._lr_world,
         }
 

@@ -45,10 +45,14 @@ class Growth:
         self._checked_at = float("-inf")
         self._seen: Any = None
         self._asked = False  # whether this call asked the autoscaler for room
+        self._no_autoscaler = False
 
     def ask_autoscaler(self, size: int) -> None:
         """Running on ``size`` workers: on a cluster with an autoscaler, ask it for room for the most (once)."""
-        if size >= self.settings.max_workers or self._asked or find_autoscaler() is None:
+        if size >= self.settings.max_workers or self._asked or self._no_autoscaler:
+            return
+        if find_autoscaler() is None:
+            self._no_autoscaler = True  # looked up once per call: a cluster does not gain an autoscaler mid-fit
             return
         from ray.autoscaler.sdk import request_resources
 

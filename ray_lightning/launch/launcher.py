@@ -157,7 +157,8 @@ class RayLauncher(*_lightning.launcher_bases()):
 
     def _launch(self, function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer | None) -> Any:
         # With storage_path: the run's folder, checked writable; the Trainer's directories are placed in it.
-        run = storage.open_run(trainer, self._strategy.workers.storage, self._strategy.run_name_now)
+        workers, elastic = self._strategy.workers, self._elastic(trainer)
+        run = storage.open_run(trainer, workers.storage, self._strategy.run_name_now)
         if trainer is not None:
             # Where rank 0 writes and which logger runs it continues (home.loggers).
             loggers.prepare_on_driver(trainer)
@@ -167,14 +168,12 @@ class RayLauncher(*_lightning.launcher_bases()):
             checkpoint=checkpoint_argument(function, args, kwargs, trainer),
             seed_directories=_seed_directories(trainer),
             payload=put_payload(trainer, function, args, kwargs, None if trainer is not None else self._strategy),
-            recovery=Recovery(
-                self._strategy.workers.recovery, scope, self._strategy.restarts, run, self._elastic(trainer)
-            ),
+            recovery=Recovery(workers.recovery, scope, self._strategy.restarts, run, elastic),
             scope=scope,
             run=run,
             keep_checkpoints=files.path_forms(given),
             function_only=trainer is None,
-            growth=self._growth(trainer),
+            growth=Growth(elastic, workers.resources, trainer.max_epochs, trainer.max_steps) if elastic else None,
         )
         if run is not None:
             self._announce_run(call, trainer, given)
@@ -200,12 +199,6 @@ class RayLauncher(*_lightning.launcher_bases()):
         elastic = self._strategy.workers.elastic
         fitting = trainer is not None and trainer.state.fn == namespaces.FITTING
         return elastic if fitting and get_current_placement_group() is None else None
-
-    def _growth(self, trainer: pl.Trainer | None) -> Growth | None:
-        elastic = self._elastic(trainer)
-        if elastic is None or trainer is None:
-            return None
-        return Growth(elastic, self._strategy.workers.resources, trainer.max_epochs, trainer.max_steps)
 
     def _announce_run(self, call: _Call, trainer: pl.Trainer | None, given: Any) -> None:
         """Say where the run's files go; a fit that names no checkpoint, in the first call of a run in this process,

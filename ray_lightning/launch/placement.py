@@ -294,11 +294,9 @@ def reserve_elastic(
             check_cluster_can_hold(sized, ClusterNow.read().resources)
         except ClusterResourceError:
             continue
-        bundles, strategy = sized.placement()
-        pg = placement_group(bundles, strategy=strategy)
-        if _placed(pg.ready(), PROBE_S):
+        pg = _placed_at_once(sized)
+        if pg is not None:
             return OwnPlacement.placed(pg, sized)
-        remove_placement_group(pg)
     return OwnPlacement.reserve(request.with_workers(min_workers), placement_timeout_s, scale_up_timeout_s, say)
 
 
@@ -308,14 +306,21 @@ def free_room(request: WorkerResources, most: int) -> int:
     Asked with a placement group of that many bundles (removed at once), so Ray decides it as it would place them.
     """
     for extra in range(most, 0, -1):
-        bundles, strategy = request.with_workers(extra).placement()
-        pg = placement_group(bundles, strategy=strategy)
-        try:
-            if _placed(pg.ready(), PROBE_S):
-                return extra
-        finally:
+        pg = _placed_at_once(request.with_workers(extra))
+        if pg is not None:
             remove_placement_group(pg)
+            return extra
     return 0
+
+
+def _placed_at_once(request: WorkerResources) -> Any | None:
+    """A placement group of ``request`` if Ray places it within :data:`PROBE_S` (else none is left behind)."""
+    bundles, strategy = request.placement()
+    pg = placement_group(bundles, strategy=strategy)
+    if _placed(pg.ready(), PROBE_S):
+        return pg
+    remove_placement_group(pg)
+    return None
 
 
 def _busy_error(request: WorkerResources, timeout_s: float) -> ClusterResourceError:
