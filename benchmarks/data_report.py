@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.data_driver import BASELINE, CONTENDERS, CPU_GROUPS
-from benchmarks.report import Metric, cell, summarize
+from benchmarks.report import Metric, cell, failure_lines, summarize
 
 METRICS = (
     Metric("epoch_samples_per_s", "samples/s, epoch", ".0f"),
@@ -153,8 +153,4 @@ def markdown(document: dict[str, Any]) -> str:
     """The tables as markdown, to print and to paste into benchmarks/README.md."""
     table = document["table"]
     lines = _header(document) + _main_lines(table) + _cpu_lines(table) + _goal_lines(document["goals"])
-    errors = document["errors"]
-    if errors:
-        lines += ["", "Failed measurements (the JSON has the end of each driver's log):"]
-        lines += [f"- {e['contender']}, repeat {e['repeat'] + 1}: {e['error'].splitlines()[0]}" for e in errors]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + failure_lines(document)) + "\n"

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from benchmarks.elastic_driver import CONTENDERS, ElasticSpec
-from benchmarks.report import Metric, cell, summarize
+from benchmarks.report import Metric, cell, failure_lines, summarize
 
 REFERENCE = "uninterrupted"
 OURS = "elastic"
@@ -190,8 +190,4 @@ def markdown(document: dict[str, Any]) -> str:
               for e in table.values() if e["absence_source"]]  # fmt: skip
     notes += [f"- {e['label']}: the spot pattern failed: {err}" for e in table.values() for err in e["pattern_errors"]]
     lines += ["", *notes]
-    if document["errors"]:
-        failed = [f"- {e['contender']}, repeat {e['repeat'] + 1}: {e['error'].splitlines()[0]}"
-                  for e in document["errors"]]  # fmt: skip
-        lines += ["", "Failed measurements (the JSON has the end of each driver's log):", *failed]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + failure_lines(document)) + "\n"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.fabric_measure import BASELINE, CONTENDERS, LAUNCHES
-from benchmarks.report import Metric, cell, summarize
+from benchmarks.report import Metric, cell, failure_lines, summarize
 
 METRICS = (
     Metric("first_step_s", "launch → 1st step, s", ".2f"),
@@ -146,8 +146,4 @@ def markdown(document: dict[str, Any]) -> str:
             label = CONTENDERS[row["contender"]].label
             status = row["status"]
             lines.append(f"| {row['target']} | {label} | {value} | {against} ({BASELINE}) | {ratio} | {status} |")
-    if document["errors"]:
-        failed = [f"- {e['contender']}, repeat {e['repeat'] + 1}: {e['error'].splitlines()[0]}"
-                  for e in document["errors"]]  # fmt: skip
-        lines += ["", "Failed measurements (the JSON has the end of each driver's log):", *failed]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + failure_lines(document)) + "\n"

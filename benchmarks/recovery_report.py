@@ -6,7 +6,7 @@ import statistics
 from typing import Any
 
 from benchmarks.recovery_driver import CASES, Case, RecoverySpec
-from benchmarks.report import Metric, cell, summarize
+from benchmarks.report import Metric, cell, failure_lines, summarize
 
 RECOVERY_METRICS = (
     Metric("recovery_s", "kill → 1st step after the restart, s", ".2f"),
@@ -229,9 +229,4 @@ def markdown(document: dict[str, Any]) -> str:
             value = "n/a" if row["value"] is None else f"{row['value']:.2f}{row['unit']}"
             bound = "" if row["bound"] is None else f"{row['bound']:g}{row['unit']}"
             lines.append(f"| {row['target']} | `{row['case']}` | {value} | {bound} | {row['status']} |")
-    if document["errors"]:
-        failed = [
-            f"- {e['contender']}, repeat {e['repeat'] + 1}: {e['error'].splitlines()[0]}" for e in document["errors"]
-        ]
-        lines += ["", "Failed measurements (the JSON has the end of each driver's log):", *failed]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + failure_lines(document)) + "\n"

@@ -166,9 +166,22 @@ def markdown(report: dict[str, Any]) -> str:
             against += f" ({other})" if other else ""
             label = CONTENDERS[row["contender"]].label
             lines.append(f"| {row['target']} | {label} | {value} | {against} | {row['status']} |")
-    if report["errors"]:
-        failed = [
-            f"- {e['contender']}, repeat {e['repeat'] + 1}: {e['error'].splitlines()[0]}" for e in report["errors"]
+    return "\n".join(lines + failure_lines(report)) + "\n"
+
+
+def failure_lines(document: dict[str, Any]) -> list[str]:
+    """The end of every benchmark's markdown: the measurements that failed, and those measured again after a crash
+    (their first driver's crash is in the JSON, ``crashed_before``)."""
+    lines: list[str] = []
+    if document["errors"]:
+        lines += ["", "Failed measurements (the JSON has the end of each driver's log):"]
+        lines += [
+            f"- {e['contender']}, repeat {e['repeat'] + 1}: {e['error'].splitlines()[0]}" for e in document["errors"]
         ]
-        lines += ["", "Failed measurements (the JSON has the end of each driver's log):", *failed]
-    return "\n".join(lines) + "\n"
+    crashed = [m for m in document["measurements"] if m.get("crashed_before")]
+    if crashed:
+        lines += ["", "Measured again after a crash (the JSON has the end of the crashed driver's log):"]
+        lines += [
+            f"- {m['contender']}, repeat {m['repeat'] + 1}: {m['crashed_before'].splitlines()[0]}" for m in crashed
+        ]
+    return lines

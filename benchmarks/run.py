@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, replace
 from importlib import metadata
 from pathlib import Path
@@ -207,7 +207,38 @@ def measure_once(
     with open(log_path, errors="replace") as f:
         tail = f.read()[-_LOG_TAIL:]
     what = f"did not finish within {timeout:g} s" if returncode is None else f"exited with {returncode}"
-    raise RuntimeError(f"the {name} driver process {what}; end of {log_path}:\n{tail}")
+    crashed = returncode is not None and (returncode < 0 or _CHILD_KILLED in tail)
+    raise (MeasurementCrashed if crashed else RuntimeError)(
+        f"the {name} driver process {what}; end of {log_path}:\n{tail}"
+    )
+
+
+# What torch's spawn raises in the driver when one of its processes died of a signal (ddp_spawn's ranks).
+_CHILD_KILLED = "terminated with signal"
+
+
+class MeasurementCrashed(RuntimeError):
+    """A driver process, or a rank it spawned, was killed by a signal (SIGABRT, SIGSEGV): a crash, not an error of
+    the measured code's Python."""
+
+
+def _measure_or_again(contender: str, repeat: int, scratch: str, logs: Path, run: Callable[[str, str], Any]) -> Any:
+    """``run(result_path, log_path)``; once more after a crash, the first crash kept in the result.
+
+    Why once: Lightning's ddp_spawn baseline has aborted in gloo's teardown ("terminate called without an active
+    exception", SIGABRT) in one of many CI runs; one such crash should cost a run its baseline no more than it
+    would a user, who runs again. A contender that crashes twice, or fails otherwise, is a failed measurement."""
+    result_path = os.path.join(scratch, f"{contender}-{repeat}.json")
+    try:
+        return run(result_path, str(logs / f"{contender}-{repeat}.log"))
+    except MeasurementCrashed as crash:
+        print(
+            f"{crash}\nmeasuring {contender}, repeat {repeat + 1} again after that crash", file=sys.stderr, flush=True
+        )
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(result_path)
+        result = run(result_path, str(logs / f"{contender}-{repeat}-again.log"))
+        return {**result, "crashed_before": str(crash)}
 
 
 def _measure_all(
@@ -232,10 +263,13 @@ def _measure_all(
                 f.write(replace(spec, ray_address=address, scratch=scratch).to_json())
             for repeat, contender in ((r, c) for r in range(args.repeats) for c in names):
                 print(f"[{time.time() - started:5.0f} s] {contender}, repeat {repeat + 1}/{args.repeats}", flush=True)
-                result_path = os.path.join(scratch, f"{contender}-{repeat}.json")
                 log_path = str(logs / f"{contender}-{repeat}.log")
+
+                def run(result_path: str, log_path: str, contender: str = contender) -> Any:
+                    return measure_once(contender, spec_path, result_path, log_path, env, args.timeout, entry)
+
                 try:
-                    result = measure_once(contender, spec_path, result_path, log_path, env, args.timeout, entry)
+                    result = _measure_or_again(contender, repeat, scratch, logs, run)
                 except RuntimeError as error:
                     print(error, file=sys.stderr, flush=True)
                     errors.append({"contender": contender, "repeat": repeat, "error": str(error), "log": log_path})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.report import Metric, cell, summarize
+from benchmarks.report import Metric, cell, failure_lines, summarize
 from benchmarks.sharded_workload import BARE, BASELINE, CONTENDERS, OURS, STEP_REFERENCE
 
 METRICS = (
@@ -125,8 +125,4 @@ def markdown(document: dict[str, Any]) -> str:
     lines += ["", *(f"- {entry['label']}: {entry['note']}." for entry in table.values())]
     lines += [f"- {CONTENDERS[name].label}: not run: {why}." for name, why in document["skipped"].items()]
     lines += ["", *_goal_lines(document["goals"])]
-    errors = document["errors"]
-    if errors:
-        lines += ["", "Failed measurements (the JSON has the end of each driver's log):"]
-        lines += [f"- {e['contender']}, repeat {e['repeat'] + 1}: {e['error'].splitlines()[0]}" for e in errors]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + failure_lines(document)) + "\n"

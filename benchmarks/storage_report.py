@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.report import Metric, cell, summarize
+from benchmarks.report import Metric, cell, failure_lines, summarize
 from benchmarks.storage_driver import CASES, Case, StorageSpec
 
 MEMORY_METRICS = (
@@ -272,8 +272,4 @@ def markdown(document: dict[str, Any]) -> str:
         if part == "cost":
             lines += _ray_train_lines(document["table"])
     lines += _goal_lines(document["goals"])
-    errors = document["errors"]
-    if errors:
-        lines += ["", "Failed measurements (the JSON has the end of each driver's log):"]
-        lines += [f"- {e['contender']}, repeat {e['repeat'] + 1}: {e['error'].splitlines()[0]}" for e in errors]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + failure_lines(document)) + "\n"

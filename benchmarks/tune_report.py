@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.report import Metric, cell, summarize
+from benchmarks.report import Metric, cell, failure_lines, summarize
 from benchmarks.tune_measure import BASELINE, CONTENDERS
 
 METRICS = (
@@ -129,8 +129,4 @@ def markdown(document: dict[str, Any]) -> str:
               for err in e["trial_errors"]]  # fmt: skip
     if notes:
         lines += ["", *notes]
-    if document["errors"]:
-        failed = [f"- {e['contender']}, repeat {e['repeat'] + 1}: {e['error'].splitlines()[0]}"
-                  for e in document["errors"]]  # fmt: skip
-        lines += ["", "Failed measurements (the JSON has the end of each driver's log):", *failed]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + failure_lines(document)) + "\n"
