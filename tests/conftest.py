@@ -86,30 +86,24 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
         time.sleep(0.2)
 
 
-def wait_for_free_cpus(total: float, timeout_s: float, what: str) -> None:
-    """Wait until ``total`` CPUs of this process's Ray are free; the failure names what still holds some."""
+def wait_for_no_placement_groups(timeout_s: float, what: str) -> None:
+    """Wait until this process's Ray holds no placement group; the failure lists those left.
+
+    Why groups and not ``ray.available_resources()``: Ray's raylet was seen keeping 3 CPUs "used" with no placement
+    group, actor or task left (one of two full suite runs, after Tune removed trial groups with workers in them), so
+    a free-CPU count tests Ray's accounting; a group left behind is what this package or Tune would leak.
+    """
+    wait_for(lambda: not live_placement_groups(), timeout_s, what)
+
+
+def live_placement_groups() -> list:
+    """This process's Ray's placement groups not removed: (name, state, bundles)."""
     import ray
-
-    try:
-        wait_for(lambda: ray.available_resources().get("CPU", 0) == total, timeout_s, what)
-    except AssertionError as error:
-        free = ray.available_resources().get("CPU", 0)
-        raise AssertionError(f"{error}; {free} of {total} free; {_holders()}") from None
-
-
-def _holders() -> str:
-    """Ray's live actors, placement groups and running tasks, with their resources: what holds a cluster's CPUs."""
-    import ray
-    from ray.util.state import list_actors, list_placement_groups, list_tasks
+    from ray.util.state import list_placement_groups
 
     address = ray.get_runtime_context().gcs_address
-    actors = [(a.class_name, a.pid, a.required_resources) for a in list_actors(address=address, detail=True)
-              if a.state not in ("DEAD",)]  # fmt: skip
-    groups = [(g.name, g.state, [b["unit_resources"] for b in g.bundles])
-              for g in list_placement_groups(address=address, detail=True) if g.state != "REMOVED"]  # fmt: skip
-    tasks = [(t.name, t.type, t.required_resources) for t in list_tasks(address=address, detail=True)
-             if t.state == "RUNNING" and t.type != "DRIVER_TASK"]  # fmt: skip
-    return f"live actors {actors}; placement groups {groups}; running tasks {tasks}"
+    groups = list_placement_groups(address=address, detail=True, filters=[("state", "!=", "REMOVED")])
+    return [(g.name, g.state, [b["unit_resources"] for b in g.bundles]) for g in groups]
 
 
 def alive_worker_actors() -> list:

@@ -15,7 +15,7 @@ from ray.util.placement_group import placement_group_table
 
 from ray_lightning import RayStrategy
 from ray_lightning.tune import TuneReportCallback, TuneReportCheckpointCallback, get_tune_resources
-from tests.conftest import SESSION_CPUS, alive_worker_actors, wait_for, wait_for_free_cpus
+from tests.conftest import alive_worker_actors, wait_for, wait_for_no_placement_groups
 from tests.models import BoringModel
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -188,7 +188,7 @@ def test_asha_stops_trials_and_frees_their_workers_and_bundles(tmp_path):
     for workers, groups, running in counter.samples:
         assert workers <= 2 * (running + 1) and groups <= running + 1, counter.samples
     wait_for(lambda: not alive_worker_actors(), 30, "the stopped trials' worker actors to be gone")
-    wait_for_free_cpus(SESSION_CPUS, 30, "every trial's CPUs to be free")
+    wait_for_no_placement_groups(30, "every trial's placement group to be removed")
     states = {g["state"] for g in placement_group_table().values() if g["strategy"] == "PACK"}
     assert states <= {"REMOVED"}, states
 

@@ -12,7 +12,7 @@ import torch
 
 import ray_lightning
 from ray_lightning import HorovodRayStrategy, RayStrategy, RayWorkerError
-from tests.conftest import alive_worker_actors, wait_for, wait_for_free_cpus
+from tests.conftest import alive_worker_actors, wait_for, wait_for_no_placement_groups
 from tests.models import BoringModel, Recorder, read_records
 from tests.test_training import FailingModel
 
@@ -123,8 +123,7 @@ def test_test_and_predict_reuse_the_fits_workers(tmp_path):
 def test_kept_workers_stop_after_keep_workers_alive_s(tmp_path):
     _fit(BoringModel(), tmp_path, "fit", strategy=RayStrategy(num_workers=2, keep_workers_alive_s=1))
     wait_for(lambda: not alive_worker_actors(), 30, "the idle workers to stop after 1 s")
-    total = ray.cluster_resources()["CPU"]
-    wait_for_free_cpus(total, 30, "their CPUs to be free again")
+    wait_for_no_placement_groups(30, "their placement group to be removed")
 
 
 def test_a_different_request_replaces_the_waiting_workers(tmp_path):
