@@ -162,15 +162,33 @@ class CountWhileRunning(tune.Callback):
         self.samples.append((len(alive_worker_actors()), groups, running))
 
 
+class RankedModel(SearchedModel):
+    """Logs ``ranked_loss``: its validation loss plus ``penalty``, so trials rank in the order the test chose."""
+
+    def __init__(self, lr: float, penalty: float) -> None:
+        super().__init__(lr=lr)
+        self.penalty = penalty
+
+    def validation_step(self, batch, batch_idx):
+        loss = super().validation_step(batch, batch_idx)
+        self.log("ranked_loss", loss + self.penalty, sync_dist=True)
+        return loss
+
+
 def train_boring(config):
-    _trainer([TuneReportCallback({"loss": "val_loss"})], max_epochs=3).fit(SearchedModel(lr=config["lr"]))
+    # Trial 0 trains (lr 0.1); each later one does not and ranks 1000 worse than the one before. ASHA never stops
+    # the first result at a rung and stops one worse than the rung's median, so which trials it stops depends on
+    # the order results arrive; with the trials started in this order, every trial after the second is worse than
+    # every earlier one and is stopped, whatever the random weights and the timing (equal losses were not stopped).
+    model = RankedModel(lr=0.1 if config["trial"] == 0 else 0.0, penalty=1000.0 * config["trial"])
+    _trainer([TuneReportCallback({"loss": "ranked_loss"})], max_epochs=3).fit(model)
 
 
 def test_asha_stops_trials_and_frees_their_workers_and_bundles(tmp_path):
     counter = CountWhileRunning()
     tuner = tune.Tuner(
         tune.with_resources(train_boring, get_tune_resources(num_workers=2)),
-        param_space={"lr": tune.grid_search([0.1, 0.0, 0.0, 0.0, 0.0, 0.0])},
+        param_space={"trial": tune.grid_search(list(range(6)))},
         tune_config=tune.TuneConfig(
             scheduler=ASHAScheduler(max_t=3, grace_period=1, reduction_factor=2),
             metric="loss",
@@ -183,7 +201,7 @@ def test_asha_stops_trials_and_frees_their_workers_and_bundles(tmp_path):
     results = tuner.fit()
     iterations = sorted(r.metrics["training_iteration"] for r in results)
     assert iterations[-1] == 3 and sum(i < 3 for i in iterations) >= 3, f"ASHA stopped too few: {iterations}"
-    assert results.get_best_result().config == {"lr": 0.1}
+    assert results.get_best_result().config == {"trial": 0}
     # While it ran: never more workers or groups than the trials running hold, plus one trial's just ending.
     for workers, groups, running in counter.samples:
         assert workers <= 2 * (running + 1) and groups <= running + 1, counter.samples
