@@ -172,16 +172,13 @@ def markdown(report: dict[str, Any]) -> str:
 def failure_lines(document: dict[str, Any]) -> list[str]:
     """The end of every benchmark's markdown: the measurements that failed, and those measured again after a crash
     (their first driver's crash is in the JSON, ``crashed_before``)."""
-    lines: list[str] = []
-    if document["errors"]:
-        lines += ["", "Failed measurements (the JSON has the end of each driver's log):"]
-        lines += [
-            f"- {e['contender']}, repeat {e['repeat'] + 1}: {e['error'].splitlines()[0]}" for e in document["errors"]
-        ]
     crashed = [m for m in document["measurements"] if m.get("crashed_before")]
-    if crashed:
-        lines += ["", "Measured again after a crash (the JSON has the end of the crashed driver's log):"]
-        lines += [
-            f"- {m['contender']}, repeat {m['repeat'] + 1}: {m['crashed_before'].splitlines()[0]}" for m in crashed
-        ]
+    lines: list[str] = []
+    for entries, key, title in (
+        (document["errors"], "error", "Failed measurements (the JSON has the end of each driver's log):"),
+        (crashed, "crashed_before", "Measured again after a crash (the JSON has the end of the crashed driver's log):"),
+    ):
+        if entries:
+            lines += ["", title]
+            lines += [f"- {e['contender']}, repeat {e['repeat'] + 1}: {e[key].splitlines()[0]}" for e in entries]
     return lines

@@ -93,7 +93,10 @@ def wait_for_no_placement_groups(timeout_s: float, what: str) -> None:
     group, actor or task left (one of two full suite runs, after Tune removed trial groups with workers in them), so
     a free-CPU count tests Ray's accounting; a group left behind is what this package or Tune would leak.
     """
-    wait_for(lambda: not live_placement_groups(), timeout_s, what)
+    try:
+        wait_for(lambda: not live_placement_groups(), timeout_s, what)
+    except AssertionError as error:
+        raise AssertionError(f"{error}; left: {live_placement_groups()}") from None
 
 
 def live_placement_groups() -> list:
