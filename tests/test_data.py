@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -210,7 +211,7 @@ def test_preprocessing_runs_on_a_node_without_training_workers(tmp_path):
     from tests.conftest import connected_cluster, session_pythonpath
 
     # The workers need "trainer" resources, which only one node has; its 2 CPUs are all theirs. Ray Data's
-    # tasks (and the dealer, which unpickles the dataset) import `features` from this module: the job ships the
+    # tasks (and the coordinator, which unpickles the dataset) import `features` from this module: the job ships the
     # checkout, as a user's job ships its code (runtime_env), since Ray pickles module functions by reference.
     nodes = ({"num_cpus": 2, "resources": {"trainer": 2}}, {"num_cpus": 2})
     with connected_cluster(*nodes, runtime_env={"env_vars": {"PYTHONPATH": session_pythonpath()}}):
@@ -325,3 +326,195 @@ def test_the_ray_data_example_trains_and_reports_its_metrics(capsys):
     assert trainer.current_epoch == 1 and trainer.global_step == 1400 // 128
     assert trainer.callback_metrics["val_acc"] > 0.3  # chance: 0.1
     assert "val_acc = " in capsys.readouterr().out
+
+
+# -- The coordinator hands out metadata; the ranks read their own blocks ---------------------------------------
+
+
+def stamped(batch: dict, out: str, pause_s: float = 0.0) -> dict:
+    """The preprocessing of the tests below: ``features``, and a line per block in ``<out>/blocks.jsonl`` (its first
+    id, rows, and when it was done). ``pause_s``: work that makes a block take that long."""
+
+    if pause_s:
+        time.sleep(pause_s)
+    batch = features(batch)
+    with open(os.path.join(out, "blocks.jsonl"), "a") as f:
+        f.write(json.dumps({"first": int(batch["id"][0]), "rows": len(batch["id"]), "at": time.time()}) + "\n")
+    return batch
+
+
+def _stamped_dataset(rows: int, blocks: int, out, pause_s: float = 0.0):
+    import functools
+
+    import ray
+
+    fn = functools.partial(stamped, out=str(out), pause_s=pause_s)
+    return ray.data.range(rows, override_num_blocks=blocks).map_batches(fn, batch_size=None)
+
+
+def _blocks(out) -> list[dict]:
+    path = Path(out) / "blocks.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+class FirstBatchClock(pl.Callback):
+    """Writes when each rank's first training batch began to ``<out>/first-rank<r>.txt``."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        path = os.path.join(self.out, f"first-rank{trainer.global_rank}.txt")
+        if not os.path.exists(path):
+            Path(path).write_text(str(time.time()))
+
+
+def test_the_default_shuffle_trains_before_the_pipeline_has_made_its_last_block(tmp_path):
+    # 40 blocks of 0.3 s of work each on the 6 CPUs the 2 workers leave to Ray Data: about 2 s of pipeline. The
+    # first step needs only the first window (32 rows: one block); an all-to-all shuffle would need all 40.
+    dm = RayDataModule(train=_stamped_dataset(640, 40, tmp_path, 0.3), batch_size=8, shuffle_buffer=16, seed=2)
+    _trainer(max_epochs=1, callbacks=[FirstBatchClock(str(tmp_path))]).fit(IdModel(str(tmp_path)), datamodule=dm)
+    blocks = _blocks(tmp_path)
+    first = min(float((tmp_path / f"first-rank{r}.txt").read_text()) for r in range(2))
+    done_before = [b for b in blocks if b["at"] < first]
+    assert len(blocks) == 40 and len(done_before) < 40, f"{len(done_before)} of 40 blocks made before the first step"
+    ids = _ids_by_epoch(_records(tmp_path))[0]
+    assert sorted(ids) == list(range(640)) and ids != sorted(ids), "every row once, shuffled"
+
+
+def test_a_restart_reads_its_resumed_epoch_without_running_the_pipeline_again(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    strategy = RayStrategy(num_workers=2, max_failures=1, recovery_checkpoint_every_n_steps=2)
+    dm = RayDataModule(train=_stamped_dataset(160, 10, out), batch_size=4, shuffle_buffer=32, seed=4)
+    trainer = _trainer(strategy, max_epochs=1)
+    trainer.fit(IdModel(str(out), kill_at=(0, 13)), datamodule=dm)
+    (restart,) = trainer.strategy.restarts
+    assert restart.global_step == 12, "killed at step 14, after the step-12 checkpoint"
+    effective = {}
+    for rank, rows in _records(out).items():
+        for row in rows:
+            effective[(rank, row["step"])] = row["ids"]  # the last attempt's batch of each step
+    assert sorted(i for ids in effective.values() for i in ids) == list(range(160)), "every row once"
+    made = Counter(b["first"] for b in _blocks(out))
+    assert len(made) == 10 and set(made.values()) == {1}, f"each block made once, not again for the restart: {made}"
+
+
+def test_blocks_of_any_size_empty_ones_and_a_widening_type_train_every_row_once(tmp_path):
+    import pyarrow as pa
+    import ray
+    from ray.data.extensions import ArrowTensorArray
+
+    sizes = [1, 0, 300, 2, 0, 45]  # one row, empty blocks, a block larger than an epoch's step (2 x 16)
+    tables, start = [], 0
+    for i, n in enumerate(sizes):
+        ids = np.arange(start, start + n)
+        v = pa.array(ids if i % 2 else ids.astype(np.float64) / 2)  # int64 in odd blocks, float64 in even ones
+        x = np.stack([ids / 100.0, (ids % 7) / 7.0], axis=1).astype(np.float32)
+        tables.append(pa.table({"id": pa.array(ids), "v": v, "x": ArrowTensorArray.from_numpy(x)}))
+        start += n
+    dm = RayDataModule(train=ray.data.from_arrow(tables), batch_size=16, last_batch="pad", shuffle_buffer=64)
+    _trainer(max_epochs=1).fit(IdModel(str(tmp_path)), datamodule=dm)
+    assert sorted(_ids_by_epoch(_records(tmp_path))[0]) == list(range(348))
+
+
+def test_a_column_whose_type_changes_between_blocks_is_refused_before_any_worker_starts(no_waiting_workers):
+    import pyarrow as pa
+    import ray
+
+    tables = [pa.table({"id": [0, 1], "x": [1, 2]}), pa.table({"id": [2, 3], "x": ["a", "b"]})]
+    with pytest.raises(ValueError, match="the train dataset's blocks do not share one schema.*x.*int64.*string"):
+        _trainer().fit(IdModel("."), datamodule=RayDataModule(train=ray.data.from_arrow(tables), batch_size=1))
+    assert not alive_worker_actors()
+
+
+def test_a_dataset_too_small_after_its_preprocessing_fails_its_first_pass_naming_the_rows(tmp_path):
+    from ray_lightning.errors import RayWorkerError
+
+    dm = RayDataModule(train=dataset(100, preprocess=True), batch_size=64)
+    with pytest.raises(RayWorkerError, match="the train dataset had 100 rows; one training step on 2 workers x "
+                                             "batch_size 64 needs 128"):  # fmt: skip
+        _trainer(max_epochs=1).fit(IdModel(str(tmp_path)), datamodule=dm)
+
+
+class StoreProbe(pl.Callback):
+    """Rank 0 writes the object store's objects and bytes at each epoch's end to ``<out>/store.jsonl``."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            with open(os.path.join(self.out, "store.jsonl"), "a") as f:
+                f.write(json.dumps(object_store_usage()) + "\n")
+
+
+def object_store_usage() -> dict:
+    """The objects and bytes in this node's object store (what ``ray memory`` reads)."""
+    import ray
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
+    return {"objects": reply.store_stats.num_local_objects, "bytes": reply.store_stats.object_store_bytes_used}
+
+
+def test_a_reused_module_leaves_nothing_in_the_object_store_after_twenty_epochs_and_two_fits(tmp_path):
+    import ray
+
+    wide = ray.data.range_tensor(128, shape=(1024,), override_num_blocks=8).map_batches(
+        lambda b: {"id": np.arange(len(b["data"])), "x": b["data"][:, :2].astype(np.float32)}
+    )  # 8 blocks an epoch, and what each execution puts (its read tasks, 1 MB): what an epoch left behind shows
+    dm = RayDataModule(train=wide, batch_size=16, shuffle_buffer=32)
+    before = object_store_usage()
+    for epochs in (20, 3):
+        _trainer(max_epochs=epochs, callbacks=[StoreProbe(str(tmp_path))]).fit(IdModel(str(tmp_path)), datamodule=dm)
+    store = [json.loads(line) for line in (tmp_path / "store.jsonl").read_text().splitlines()]
+    assert len(store) == 23
+    grown = [s["bytes"] - store[1]["bytes"] for s in store[2:20]]
+    assert max(grown) < 256 * 1024, f"the object store grew epoch after epoch: {grown}"
+    # The coordinators are killed as each call ends; their objects go once Ray has seen them die.
+    deadline = time.monotonic() + 30
+    while (after := object_store_usage())["bytes"] > before["bytes"] + 64 * 1024 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert after["bytes"] <= before["bytes"] + 64 * 1024, f"left in the object store after the fits: {before}, {after}"
+
+
+def test_block_metadata_without_row_counts_and_slices_are_read_as_rows():
+    import pyarrow as pa
+    import ray
+    from ray.data._internal.execution.interfaces.ref_bundle import BlockEntry, BlockSlice, RefBundle
+    from ray.data.block import BlockMetadata
+
+    from ray_lightning._ray.data import block_parts
+
+    refs = [ray.put(pa.table({"id": list(range(n))})) for n in (5, 7)]
+    bundles = [
+        RefBundle((BlockEntry(refs[0], BlockMetadata(None, 40, None)),), None, False),  # no row count
+        RefBundle((BlockEntry(refs[1], BlockMetadata(7, 56, None)),), None, False, (BlockSlice(2, 6),)),
+    ]
+
+    class Bundles:
+        def iter_internal_ref_bundles(self):
+            return iter(bundles)
+
+    assert [(ref, first, rows, size) for ref, first, rows, size in block_parts(Bundles())] == [
+        (refs[0], 0, 5, 40),
+        (refs[1], 2, 4, 32),
+    ]
+
+
+def test_ray_datas_plan_leaves_out_the_workers_cpus_and_keeps_a_users_limit():
+    from ray.data import ExecutionResources
+
+    from ray_lightning._ray.data import prepare_context
+
+    mine = dataset(10)
+    prepare_context(mine, {"cpu": 4.0, "gpu": 0.0})
+    options = mine.context.execution_options
+    assert options.exclude_resources.cpu == 4 and options.preserve_order
+    limited = dataset(10)
+    limited.context.execution_options.resource_limits = ExecutionResources(cpu=3)
+    prepare_context(limited, {"cpu": 4.0, "gpu": 1.0})
+    assert limited.context.execution_options.exclude_resources.cpu == 0, "the user's own CPU limit stands"
+    assert limited.context.execution_options.exclude_resources.gpu == 1
+    assert mine.context.enable_progress_bars is False

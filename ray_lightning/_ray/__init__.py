@@ -18,7 +18,9 @@ breaks one folder, and ``tests/test_ray_internals.py`` names what moved:
   instead of the enum's numbers, and where the autoscaler's monitor scripts are in Ray's package
   (:mod:`ray_lightning.launch.autoscaler`).
 * :mod:`.data`: a Ray Data dataset's row count from its metadata (``Dataset._meta_count``): the
-  length of ``RayDataModule``'s loaders (:mod:`ray_lightning.data`).
+  length of ``RayDataModule``'s loaders (:mod:`ray_lightning.data`); and, not private but fragile, a pass's
+  block references (``Dataset.iter_internal_ref_bundles``, a DeveloperAPI) and the deprecated
+  ``ExecutionOptions.exclude_resources`` that keeps Ray Data off the training workers' CPUs.
 
 Where a private name is missing, each caller degrades as it always did: no output markers, no
 preemption notice, an autoscaler that is unknown. :data:`PRIVATE_NAMES` lists all of them (with

@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from ray_lightning._ray.data import DATASET, META_COUNT
+from ray_lightning._ray.data import DATASET, EXCLUDE_RESOURCES, EXECUTION_OPTIONS, META_COUNT, REF_BUNDLES
 from ray_lightning._ray.kv import INTERNAL_KV, RAY_KEY_NAMES
 from ray_lightning._ray.logs import DISPATCHER, WORKER
 from ray_lightning._ray.state import AUTOSCALER_PB2, GLOBAL_STATE, UP_NODE_STATUSES
@@ -34,7 +34,9 @@ ON_MODULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     (GLOBAL_STATE, ("state.get_draining_nodes", "state.get_cluster_config")),
     (INTERNAL_KV, ("_internal_kv_get", "_internal_kv_put", "_internal_kv_del")),
-    (DATASET, (f"Dataset.{META_COUNT}",)),
+    # A DeveloperAPI and a deprecated option, not private: listed so that a release without them is named.
+    (DATASET, (f"Dataset.{META_COUNT}", f"Dataset.{REF_BUNDLES}")),
+    (EXECUTION_OPTIONS, (f"ExecutionOptions.{EXCLUDE_RESOURCES}",)),
     (AUTOSCALER_PB2, ("GetClusterStatusReply", *(f"NodeStatus.{status}" for status in UP_NODE_STATUSES))),
     # Where Ray names the keys kv.py uses (their values are checked too).
     *((module, (name,)) for module, name in sorted(set(RAY_KEY_NAMES.values()))),

@@ -124,7 +124,7 @@ def checkpoint_argument(function: Callable, args: tuple, kwargs: dict, trainer: 
 
 def prepare_arguments(trainer: pl.Trainer | None, args: tuple, kwargs: dict, resources: Any) -> list[Callable]:
     """On the driver, before the payload is made: every argument that prepares for the workers (a
-    ``RayDataModule`` checks its datasets and starts their dealers) does so; returns what ends each."""
+    ``RayDataModule`` checks its datasets and starts their coordinators) does so; returns what ends each."""
     ends = []
     if trainer is None:
         return ends
