@@ -45,12 +45,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the throughput (10)")
     parser.add_argument("--work", type=int, default=None, help="blur passes per row: its preprocessing cost (24)")
     parser.add_argument("--block-rows", type=int, default=None, help="rows per block of the Ray Data pipeline (256)")
+    parser.add_argument(
+        "--ready",
+        action="store_true",
+        help="the data ready before each fit (the transport alone): the Ray Data pipeline "
+        "materialized in the driver, the DataLoader's rows computed in each rank's setup",
+    )
     parser.add_argument("--loader-workers", type=int, default=None,
                         help="DataLoader processes per worker, and Ray Data CPUs per worker (1)")  # fmt: skip
     run.add_run_options(parser, CONTENDERS, "data-<start time>")
     args = run.parse_run_options(parser, argv, CONTENDERS)
     args.spec = run.sized(DataSpec.tiny() if args.tiny else DataSpec(), {n: getattr(args, n) for n in _SIZES})
     args.spec.workers = args.workers
+    args.spec.ready = args.ready
     if args.spec.warmup < 1 or args.spec.steps < args.spec.warmup + 2:
         parser.error(f"--rows gives {args.spec.steps} steps: need at least --warmup (>= 1) + 2")
     return args
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         # The machine's 1-, 5- and 15-minute load averages before and after: whether other work shared it.
         "load_average": {"before": load, "after": os.getloadavg()},
         "table": table,
-        "goals": data_report.goals(table),
+        "goals": data_report.goals(table, spec.ready),
         "errors": errors,
         "measurements": results,
     }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import statistics
 import time
@@ -28,36 +29,45 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from benchmarks import data_restart
 from benchmarks.data_rows import DataSpec, image_dataset, label, preprocess_row
 from benchmarks.measure import _peak_rss_mb, measurement_main
 from benchmarks.workload import pl, trainer_kwargs
 
 
 class ImageRows(torch.utils.data.Dataset):
-    """The plain DataLoader contender's map-style dataset: :func:`preprocess_row` in ``__getitem__``."""
+    """The plain DataLoader contender's map-style dataset: :func:`preprocess_row` in ``__getitem__``, or the rows
+    computed beforehand (``ready``: the data ready, the transport alone)."""
 
-    def __init__(self, spec: DataSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: DataSpec, ready: torch.Tensor | None = None) -> None:
+        self.spec, self.ready = spec, ready
 
     def __len__(self) -> int:
         return self.spec.rows
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"image": torch.from_numpy(preprocess_row(i, self.spec)), "label": label(i, self.spec)}
+        image = self.ready[i] if self.ready is not None else torch.from_numpy(preprocess_row(i, self.spec))
+        return {"image": image, "label": label(i, self.spec)}
 
 
 class LoaderData(pl.LightningDataModule):
     """A torch ``DataLoader`` over :class:`ImageRows` in each rank, ``spec.loader_workers`` loader processes;
-    Lightning gives it a ``DistributedSampler`` (each rank its half, shuffled)."""
+    Lightning gives it a ``DistributedSampler`` (each rank its half, shuffled). With ``spec.ready`` each rank
+    computes every row in ``setup`` (before ``on_fit_start``)."""
 
     def __init__(self, spec: DataSpec) -> None:
         super().__init__()
         self.spec = spec
+        self.ready: torch.Tensor | None = None
+
+    def setup(self, stage: str) -> None:
+        if self.spec.ready:
+            self.ready = torch.stack([torch.from_numpy(preprocess_row(i, self.spec)) for i in range(self.spec.rows)])
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         spec = self.spec
-        return torch.utils.data.DataLoader(ImageRows(spec), batch_size=spec.batch_size, shuffle=True, drop_last=True,
-                                           num_workers=spec.loader_workers)  # fmt: skip
+        return torch.utils.data.DataLoader(ImageRows(spec, self.ready), batch_size=spec.batch_size, shuffle=True,
+                                           drop_last=True, num_workers=spec.loader_workers)  # fmt: skip
 
 
 # -- The model and the clock ---------------------------------------------------------------------------------
@@ -261,7 +271,7 @@ CONTENDERS: dict[str, Contender] = {
     c.name: c
     for c in (
         Contender("ray_data", "ray_lightning RayDataModule(shuffle='local') + RayStrategy", _ray_data_fit("local"),
-                  note="the default shuffle: blocks in random order, rows mixed in the dealer's 2048-row buffer"),
+                  note="the default shuffle: rows mixed within windows of at least 2048 rows (consecutive blocks)"),
         Contender("ray_data_ordered", "ray_lightning RayDataModule(shuffle=None) + RayStrategy", _ray_data_fit(None),
                   note="dataset order, as Ray Train's iter_torch_batches here: the like-for-like comparison"),
         Contender("ray_train", "Ray Train TorchTrainer(datasets=...) + iter_torch_batches + RayDDPStrategy",
@@ -270,8 +280,13 @@ CONTENDERS: dict[str, Contender] = {
         Contender("torch_loader", "torch DataLoader(num_workers=N) per worker + RayStrategy", _loader_fit,
                   note="a map-style Dataset doing the same preprocessing in __getitem__; Lightning's "
                   "DistributedSampler (shuffled); N = loader_workers loader processes in each rank"),
+        *(Contender(name, data_restart.LABELS[name],
+                    (data_restart.restart_fit if name.startswith("restart") else data_restart.resume_fit)(name))
+          for name in data_restart.FRACTIONS),
     )
 }  # fmt: skip
+# The contenders measured once per epoch's throughput (the others: a restart's or resume's times).
+THROUGHPUT = ("ray_data", "ray_data_ordered", "ray_train", "torch_loader")
 BASELINE = "ray_train"
 
 
@@ -291,8 +306,10 @@ def _group(pid: str, info: dict[str, Any], ranks: set[int]) -> str:
         return "loaders"
     if info.get("raylet"):
         return "raylet"
-    if title.startswith("ray::Dealer"):
-        return "dealer"
+    if title.startswith("ray::Coordinator"):
+        return "coordinator"
+    if title.startswith("ray::SplitCoordinator"):
+        return "split_coordinator"
     if not title.startswith("ray::") or any(agent in title for agent in _AGENTS):
         return "agents"
     if title.startswith("ray::IDLE") or "MapBatches" in title or "ReadRange" in title:
@@ -305,8 +322,9 @@ CPU_GROUPS = {
     "ranks": "training workers",
     "loaders": "DataLoader processes",
     "tasks": "Ray Data's tasks (ReadRange->MapBatches)",
-    "dealer": "RayDataModule's dealer actor",
-    "actors": "other actors (Ray Data's coordinator and stats, Ray Train's controller...)",
+    "coordinator": "RayDataModule's coordinator (runs the pipeline, hands out block references)",
+    "split_coordinator": "Ray Data's SplitCoordinator (streaming_split: runs the pipeline, hands out block references)",
+    "actors": "other actors (Ray Data's stats, Ray Train's controller...)",
     "raylet": "raylet",
     "agents": "Ray's agents",
 }
@@ -345,6 +363,22 @@ def cpu_breakdown(snapshots: list[dict[str, Any]], ranks: set[int], samples: int
         "cpus": last["cpus"],
         "ended_in_window": ended,
     }
+
+
+def row_bytes(first_batch: dict[str, Any]) -> int:
+    """The bytes of one row of a batch as it reached ``training_step`` (``DataClock.first_batch``'s shapes)."""
+    total = 0
+    for shape, dtype in first_batch.values():
+        size = torch.empty((), dtype=getattr(torch, dtype.rsplit(".", 1)[-1])).element_size()
+        total += size * math.prod(shape[1:])
+    return total
+
+
+def coordinating_s_per_gb(cpu: dict[str, Any], bytes_per_row: int) -> float | None:
+    """CPU seconds of the process that runs the pipeline and hands out its blocks (RayDataModule's coordinator,
+    Ray Data's SplitCoordinator under Ray Train), per GB of rows the workers trained on in the window."""
+    ms = cpu["cpu_ms_per_sample"]["coordinator"] + cpu["cpu_ms_per_sample"]["split_coordinator"]
+    return ms * 1e6 / bytes_per_row if ms and bytes_per_row else None
 
 
 def metrics(spec: DataSpec, t0: float, t1: float, ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -391,14 +425,22 @@ def measure(contender: Contender, spec: DataSpec, result_path: str, record: bool
 
     ray.init(address=spec.ray_address, log_to_driver=True)
     prefix = result_path
+    if spec.ready:
+        image_dataset(spec)  # materialized now, before any timer
     t0 = time.time()
     contender.fit(spec, prefix)
     t1 = time.time()
     ranks = read_ranks(prefix)
     if set(ranks) != set(range(spec.workers)):
         raise RuntimeError(f"clock files from ranks {sorted(ranks)}, not from all {spec.workers}")
+    if contender.name in data_restart.FRACTIONS:
+        times = data_restart.metrics(contender.name, spec, prefix, ranks)
+        return {"contender": contender.name, "pid": os.getpid(), "metrics": times, "cpu": None,
+                "first_batch": {}, "world_size": ranks[0]["world_size"], "steps": len(ranks[0]["ends"])}  # fmt: skip
     result = metrics(spec, t0, t1, ranks)
     cpu = cpu_breakdown(ranks[0]["snapshots"], {r["pid"] for r in ranks.values()}, result["window_samples"])
+    if cpu is not None:
+        cpu["coordinating_s_per_gb"] = coordinating_s_per_gb(cpu, row_bytes(ranks[0]["first_batch"]))
     return {
         "contender": contender.name,
         "pid": os.getpid(),

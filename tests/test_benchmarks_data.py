@@ -18,7 +18,8 @@ from benchmarks.data_driver import CPU_GROUPS
 from benchmarks.data_report import METRICS
 from tests.benchmark_runs import run_benchmark
 
-SMOKE_CONTENDERS = ("ray_data", "ray_train", "torch_loader")
+SMOKE_CONTENDERS = ("ray_data", "ray_train", "torch_loader", "restart_at_10")
+THROUGHPUT = SMOKE_CONTENDERS[:3]
 # Three driver processes of one small fit each (Ray Train's starts a controller and a worker group): 1-2 minutes
 # on 2 quiet cores, more on busy ones.
 BENCHMARK_TIMEOUT_S = 900
@@ -41,6 +42,10 @@ def test_data_benchmark_measures_every_contender(tmp_path):
     assert document["errors"] == []
     table = document["table"]
     assert list(table) == list(SMOKE_CONTENDERS)
+    restart = table.pop("restart_at_10")["metrics"]
+    # The restart: the kill, the new attempt's start, its first batch, in that order.
+    assert 0 < restart["workers_s"]["median"] <= restart["restart_s"]["median"], restart
+    assert restart["kill_step"]["median"] >= 1
     for name, entry in table.items():
         assert entry["repeats"] == 1 and entry["label"] in markdown, name
         for metric in METRICS:
@@ -60,14 +65,16 @@ def test_data_benchmark_measures_every_contender(tmp_path):
     crop = spec["crop"]
     batch = {"image": [[spec["batch_size"], spec["channels"], crop, crop], "torch.float32"],
              "label": [[spec["batch_size"]], "torch.int64"]}  # fmt: skip
-    for run in document["measurements"]:
+    for run in (r for r in document["measurements"] if r["contender"] in THROUGHPUT):
         name = run["contender"]
         # Every contender trained the whole epoch on every worker, with the same batches.
         assert run["world_size"] == spec["workers"] and run["steps"] == document["steps"], name
         assert set(run["ranks"]) == {str(r) for r in range(spec["workers"])}, name
         assert all(first == batch for first in run["first_batch"].values()), (name, run["first_batch"])
         assert run["cpu"] is not None, name
-    # The goal is judged for RayDataModule, both throughputs, and the judgement is in the tables.
-    judged = [(g["contender"], g["metric"]) for g in document["goals"] if g["status"] in ("met", "missed")]
-    assert judged == [("ray_data", "epoch_samples_per_s"), ("ray_data", "samples_per_s")], document["goals"]
+    # Ray Train's coordinating process (its SplitCoordinator) is found and measured per GB.
+    assert table["ray_train"]["coordinating_s_per_gb"]["median"] > 0, table["ray_train"]["cpu_ms_per_sample"]
+    # The goals are judged where their contenders ran (not the restart spread: one restart ran), and are in the tables.
+    judged = {g["goal"].split(" ")[0]: g["status"] for g in document["goals"] if g["contender"] == "ray_data"}
+    assert judged["samples/s"] in ("met", "missed") and judged["on_fit_start"] in ("met", "missed"), document["goals"]
     assert all(g["goal"] in markdown for g in document["goals"])

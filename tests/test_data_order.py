@@ -16,6 +16,7 @@ from ray_lightning.data.order import (
     batches_per_rank,
     epoch_seed,
     shuffled_parts,
+    window_least_rows,
     windows,
 )
 
@@ -47,9 +48,11 @@ def _read(deal: Deal, rank: int, size: int, total: int, reach=None):
 
 
 def test_windows_hold_at_least_their_rows_and_skip_empty_blocks():
-    found = list(windows(_parts([1, 0, 300, 5, 0, 0, 7, 2]), 100, None))
-    assert [(w.start, w.rows) for w in found] == [(0, 301), (301, 14)]
-    assert [len(w.parts) for w in found] == [2, 3], "empty blocks are left out"
+    # At least 6, 12, 25, 50, 100 rows for windows 0, 1, 2, 3, 4...: the first batch waits for a block or so.
+    assert [window_least_rows(k, 100) for k in range(7)] == [6, 12, 24, 48, 96, 100, 100]
+    found = list(windows(_parts([1, 0, 6, 300, 5, 0, 0, 7, 2, 30, 40]), 100, None))
+    assert [(w.start, w.rows) for w in found] == [(0, 7), (7, 300), (307, 44), (351, 40)]
+    assert [len(w.parts) for w in found] == [2, 1, 4, 1], "empty blocks are left out"
 
 
 def test_the_order_is_a_permutation_within_windows_the_same_for_a_seed_and_new_each_epoch():
@@ -58,8 +61,9 @@ def test_the_order_is_a_permutation_within_windows_the_same_for_a_seed_and_new_e
     assert first == again, "the same seed, the same order"
     assert sorted(first) == sorted(_order(sizes, 128, None)), "every row once"
     assert first != _order(sizes, 128, 8), "another epoch's seed, another order"
-    # Rows move only within their window: the first window (64 + 1 + 500 rows) keeps to positions 0..564.
-    assert {block for block, _ in first[:565]} == {"block0", "block1", "block2"}
+    # Rows move only within their window: the first window (64 rows), the second (1 + 500 rows).
+    assert {block for block, _ in first[:64]} == {"block0"}
+    assert {block for block, _ in first[64:565]} == {"block1", "block2"}
     assert first[:64] != [("block0", r) for r in range(64)], "rows are shuffled"
     assert epoch_seed(3, 0) != epoch_seed(3, 1) and epoch_seed(3, 0) == epoch_seed(3, 0)
 
@@ -143,7 +147,7 @@ def test_intervals_and_the_rest_map_positions():
 
 
 def test_the_orders_rows_in_a_window_are_shared_and_read_only():
-    (window,) = windows(_parts([10, 10]), 20, 5)
+    (window,) = windows(_parts([20]), 20, 5)
     order = window.rows_in_order()
     assert order is window.rows_in_order() and not order.flags.writeable
     assert sorted(order) == list(range(20)) and list(order) != list(range(20))

@@ -137,6 +137,8 @@ class PassReader:
                 yield value
         finally:
             self._stop.set()
+            # Read to the end or left early (limit_*_batches, max_steps): either way this rank needs no more of it.
+            self.loader.coordinator.finished.remote(self.start.key, self.loader.attempt, self.loader.rank)
 
     # -- the assembling thread ---------------------------------------------------------------------------------
 
@@ -151,7 +153,6 @@ class PassReader:
                     break
                 self._put(made, ("batch", *batch))
                 k += 1
-            self.loader.coordinator.finished.remote(self.start.key, self.loader.attempt, self.loader.rank)
             self._put(made, ("end", None, None))
         except BaseException as error:  # noqa: BLE001 - raised in the training thread
             self._put(made, ("error", error, None))
@@ -167,7 +168,7 @@ class PassReader:
     def _batch(self, k: int) -> tuple[dict[str, Any], np.ndarray] | None:
         """Batch ``k`` of this rank's stream as tensors and its positions, or None past the pass's end."""
         deal, size, rank = self.deal, self.loader.spec.batch_size, self.loader.rank
-        spans = deal.stream(rank, k * size, (k + 1) * size, self._reach)
+        spans = deal.stream(rank, k * size, (k + 1) * size, self.reach)
         self._check_first_pass()
         real = sum(b - a for a, b in spans)
         wanted = batches_per_rank(deal.total, deal.spec, rank) if deal.total is not None else None
@@ -194,7 +195,7 @@ class PassReader:
                 "batch_size, or use last_batch='pad'."
             )
 
-    def _reach(self, q: int) -> int | None:
+    def reach(self, q: int) -> int | None:
         """None when the pass has ``q`` positions to deal, else ``Q``'s length (waits for the pipeline)."""
         position = self.rest.position(q - 1)
         found = self._call("reach", position)
@@ -258,36 +259,38 @@ class PassReader:
         return self._columns_of(pieces), order
 
     def _columns_of(self, pieces: list[tuple[Window, np.ndarray]]) -> dict[str, np.ndarray]:
-        sources: list[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]] = []  # (block arrays, rows, out slots)
+        found: list[tuple[Window, int, np.ndarray, np.ndarray]] = []  # (window, part, its rows, their out slots)
         offset = 0
         for window, rows in pieces:
             ends = np.cumsum([p.rows for p in window.parts])
             part_of = np.searchsorted(ends, rows, side="right")
             for i in np.unique(part_of):
                 slots = np.nonzero(part_of == i)[0]
-                first = ends[i] - window.parts[i].rows
-                sources.append((self._block(window, int(i)), rows[slots] - first, slots + offset))
+                found.append((window, int(i), rows[slots] - (ends[i] - window.parts[i].rows), slots + offset))
             offset += len(rows)
+        self._fetch([(window, i) for window, i, _, _ in found])
+        sources = [(self._columns[(w.index, i)], rows, slots) for w, i, rows, slots in found]
         return gather(sources, offset, self.loader.name)
 
-    def _block(self, window: Window, i: int) -> dict[str, np.ndarray]:
-        key = (window.index, i)
-        if key not in self._columns:
-            from ray.data.block import BlockAccessor
+    def _fetch(self, wanted: list[tuple[Window, int]]) -> None:
+        """The blocks of these parts as arrays, fetched from the object store together where not held yet."""
+        from ray.data.block import BlockAccessor
 
-            part = window.parts[i]
-            block = self._wait(part.ref, f"a block of its next {self.loader.name} batch")
+        missing = {(w.index, i): w.parts[i] for w, i in wanted if (w.index, i) not in self._columns}
+        if not missing:
+            return
+        blocks = self._wait([part.ref for part in missing.values()], f"the blocks of its next {self.loader.name} batch")
+        for (key, part), block in zip(missing.items(), blocks):
             accessor = BlockAccessor.for_block(block)
             if part.offset or part.rows != accessor.num_rows():
                 accessor = BlockAccessor.for_block(accessor.slice(part.offset, part.offset + part.rows, False))
-            found = accessor.to_numpy()
-            self._columns[key] = found if isinstance(found, dict) else {"data": found}
-        return self._columns[key]
+            arrays = accessor.to_numpy()
+            self._columns[key] = arrays if isinstance(arrays, dict) else {"data": arrays}
 
     def _first_rows(self) -> dict[str, np.ndarray]:
         """The pass's first batch of rows (what pads its last step), read before any window is released."""
         size = self.loader.spec.batch_size
-        total = self.deal.total if self.deal.total is not None else self._reach(size)
+        total = self.deal.total if self.deal.total is not None else self.reach(size)
         columns, _ = self._gather(self.rest.positions(0, size if total is None else min(size, total)), low=False)
         return columns
 

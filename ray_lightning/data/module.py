@@ -295,7 +295,7 @@ class RayDataModule(*namespaces.every("LightningDataModule")):  # type: ignore[m
             return {}
         steps = first + _lightning.batches_processed(trainer) - before
         deal: Deal = loader.reader.deal
-        trained = base.union(deal.trained(steps, loader.reader.rest))
+        trained = base.union(deal.trained(steps, loader.reader.rest, loader.reader.reach))
         if trainer.global_rank == 0:
             loader.coordinator.checkpointed.remote(loader.reader.start.key, trained.to_list())
         return {

@@ -3,7 +3,8 @@ computed alike by every rank (no Ray here; ``tests/test_data_order.py`` checks t
 
 Terms. A pass reads the dataset once (a training epoch, a validation run...). Its **order** ``S`` numbers its
 rows ``0..n-1`` (positions). The dataset's blocks, in dataset order, are grouped into **windows**: a window is
-the next run of blocks holding at least ``window_rows`` rows (the last one may hold fewer). A shuffled pass
+the next run of blocks holding at least ``window_rows`` rows (the first ones fewer, so that the first batch
+waits for about one block; the last one may hold fewer). A shuffled pass
 numbers a window's rows in a random order seeded by ``(pass seed, window index)``; a materialized dataset's
 blocks, which all exist when the pass starts, are first put in a random order seeded by the pass seed. Nothing
 of this depends on the number of workers, the batch size or timing: it is the same on every rank and in every
@@ -89,9 +90,15 @@ def shuffled_parts(parts: Sequence[Part], seed: int) -> list[Part]:
     return [parts[i] for i in _generator(seed).permutation(len(parts))]
 
 
+def window_least_rows(index: int, window_rows: int) -> int:
+    """The rows window ``index`` holds at least: ``window_rows / 16`` for the first, doubling up to ``window_rows``
+    (the first batch waits for a block or so, not for a whole window of blocks)."""
+    return min(window_rows, max(1, window_rows // 16) << min(index, 40))
+
+
 def windows(parts: Iterable[Part], window_rows: int, seed: int | None = None) -> Iterator[Window]:
-    """The pass's windows, as its blocks come (dataset order): each at least ``window_rows`` rows but the last.
-    ``seed``: the pass's shuffle seed (None: no shuffle). Empty parts are left out."""
+    """The pass's windows, as its blocks come (dataset order): each at least :func:`window_least_rows` rows but
+    the last. ``seed``: the pass's shuffle seed (None: no shuffle). Empty parts are left out."""
     index = start = 0
     run: list[Part] = []
     rows = 0
@@ -100,7 +107,7 @@ def windows(parts: Iterable[Part], window_rows: int, seed: int | None = None) ->
             continue
         run.append(part)
         rows += part.rows
-        if rows >= window_rows:
+        if rows >= window_least_rows(index, window_rows):
             yield Window(index, start, rows, tuple(run), seed)
             index, start, run, rows = index + 1, start + rows, [], 0
     if run:
@@ -275,10 +282,11 @@ class Deal:
                 break
         return out
 
-    def trained(self, steps: int, rest: Rest) -> Intervals:
-        """The positions every rank's first ``steps`` batches trained (padding excluded)."""
+    def trained(self, steps: int, rest: Rest, reach: Callable[[int], int | None] | None = None) -> Intervals:
+        """The positions every rank's first ``steps`` batches trained (padding excluded); ``reach``: as for
+        :meth:`decide`, for rounds not decided yet."""
         spans = []
         for rank in range(self.spec.world):
-            for a, b in self.stream(rank, 0, steps * self.spec.batch):
+            for a, b in self.stream(rank, 0, steps * self.spec.batch, reach):
                 spans += rest.positions(a, b)
         return Intervals(spans)
