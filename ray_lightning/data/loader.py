@@ -77,7 +77,7 @@ class RayDataLoader:
         self._start = start
         self.name = name
         self.timeout_s = timeout_s
-        self.positions: list[np.ndarray] = []  # each batch's positions in the pass's order (its real rows)
+        self.positions: list[list[int]] = []  # an evaluation pass's batches' positions: its dataset order
         self.reader: PassReader | None = None  # the current pass's
 
     def __len__(self) -> int:
@@ -96,8 +96,6 @@ class PassReader:
     """One rank's reading of one pass (see the module docstring)."""
 
     def __init__(self, loader: RayDataLoader, start: PassStart) -> None:
-        import ray
-
         self.loader = loader
         self.start = start
         self.rest = Rest(Intervals(start.base))
@@ -113,7 +111,6 @@ class PassReader:
             loader.coordinator.open.remote(start.key, loader.attempt, world, start.spec, start.trained or start.base),
             "the pass to open",
         )
-        self._ray = ray
 
     # -- the training thread's side ---------------------------------------------------------------------------
 
@@ -133,7 +130,8 @@ class PassReader:
                     raise value
                 if kind == "end":
                     return
-                self.loader.positions.append(positions.tolist())
+                if self.deal.spec.mode == "eval":  # what predict needs; a training epoch's would only grow
+                    self.loader.positions.append(positions.tolist())
                 yield value
         finally:
             self._stop.set()
@@ -216,7 +214,9 @@ class PassReader:
                 return found
             if found.skipped > skipped:
                 deadline, skipped = time.monotonic() + loader.timeout_s, found.skipped
-            if time.monotonic() > deadline or self._stop.is_set():
+            if self._stop.is_set():
+                raise _Left()
+            if time.monotonic() > deadline:
                 raise _waited_too_long(loader, "its next batch")
 
     def _wait(self, request: Any, what: str) -> Any:
@@ -343,6 +343,10 @@ def to_tensors(columns: dict[str, np.ndarray]) -> dict[str, Any]:
     return {
         name: torch.from_numpy(values) if values.dtype.kind in "biufc" else values for name, values in columns.items()
     }
+
+
+class _Left(Exception):
+    """The training thread left the pass (its loop ended early): the assembling thread stops."""
 
 
 def _waited_too_long(loader: RayDataLoader, what: str) -> TimeoutError:

@@ -26,9 +26,10 @@ LAST_BATCH = ("drop", "pad")
 # the number of workers or the batch size (a resume on another world size continues in the same order).
 SHUFFLE_BUFFER_ROWS = 2048
 DEFAULT_BATCH_TIMEOUT_S = 600.0
-# What the coordinator may keep in the object store for a restart of a fit that may restart: this share of the
-# cluster's object store memory.
+# What a coordinator may keep in the object store for a restart of a fit that may restart, and how far a pass's
+# pipeline may run ahead of the ranks: these shares of the cluster's object store memory.
 RETAIN_SHARE = 0.25
+AHEAD_SHARE = 0.1
 
 
 class RayDataModule(*namespaces.every("LightningDataModule")):  # type: ignore[misc]
@@ -130,7 +131,8 @@ class RayDataModule(*namespaces.every("LightningDataModule")):  # type: ignore[m
         if self.seed is None:
             self.seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         exclude = {"cpu": world_size * resources.cpus, "gpu": world_size * resources.gpus}
-        retain = int(cluster.get("object_store_memory", 0) * RETAIN_SHARE) if _may_restart(trainer) else 0
+        store = cluster.get("object_store_memory", 0)
+        retain, ahead = int(store * RETAIN_SHARE) if _may_restart(trainer) else 0, int(store * AHEAD_SHARE)
         coordinators = {}
         for name in names:
             dataset = self._checked(name, self.datasets[name], world_size)
@@ -138,7 +140,7 @@ class RayDataModule(*namespaces.every("LightningDataModule")):  # type: ignore[m
             actor = ray.remote(Coordinator).options(
                 num_cpus=0, max_concurrency=4 * world_size + 8, scheduling_strategy="DEFAULT"
             )
-            coordinators[name] = actor.remote(dataset, name, exclude, retain)
+            coordinators[name] = actor.remote(dataset, name, exclude, retain, ahead)
         self._coordinators = coordinators
 
         def end() -> None:
