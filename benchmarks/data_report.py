@@ -141,10 +141,13 @@ def goals(table: dict[str, Any], ready: bool = False) -> list[dict[str, Any]]:
             at_most=True,
         )
     )
-    restarts = [_median(table, n, "metrics", "restart_s") for n in ("restart_at_10", "restart_at_90")]
-    spread = max(restarts) / min(restarts) if None not in restarts and min(restarts) else None  # type: ignore[type-var]
-    rows.append(_goal("restart → 1st batch at 90% within 20% of at 10% (larger / smaller)", "restart_at_*",
-                      spread, 1.2, at_most=True))  # fmt: skip
+    # The whole restart, and the data's part of it (the new attempt's on_fit_start → its first batch): the workers'
+    # restart before it does not depend on the position, but competes for the CPUs with a pipeline still running.
+    for key, what in (("restart_s", "kill → 1st batch"), ("data_s", "the data's part (on_fit_start → 1st batch)")):
+        found = [_median(table, n, "metrics", key) for n in ("restart_at_10", "restart_at_90")]
+        spread = max(found) / min(found) if None not in found and min(found) else None  # type: ignore[type-var]
+        rows.append(_goal(f"restart at 90% within 20% of at 10%, {what}: larger / smaller", "restart_at_*",
+                          spread, 1.2, at_most=True))  # fmt: skip
     return rows
 
 
