@@ -36,6 +36,8 @@ setup(
             "pytest>=8",
             "pytest-timeout",
             "scikit-learn",
+            # The benchmark reports' figures (benchmarks/plots.py).
+            "matplotlib",
             "tensorboard",
             "ipykernel",
             "nbclient",

@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.workload import BenchModule, Spec, StepClock, WeightsModule, pl, trainer_kwargs
 
-FitFn = Callable[[Spec, BenchModule, str, int], None]
+FitFn = Callable[[Spec, BenchModule, str, int], Any]
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,10 @@ class Contender:
 def _lightning_fit(strategy: Callable[[Spec], dict[str, Any]]) -> FitFn:
     """A contender that is one ``pl.Trainer(**strategy(spec)).fit(module)`` in the driver."""
 
-    def fit(spec: Spec, module: BenchModule, clock_path: str, steps: int) -> None:
+    def fit(spec: Spec, module: BenchModule, clock_path: str, steps: int) -> pl.Trainer:
         trainer = pl.Trainer(**trainer_kwargs(spec, steps), **strategy(spec), callbacks=[StepClock(clock_path)])
         trainer.fit(module)
+        return trainer
 
     return fit
 

@@ -28,7 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeVar
 
-from benchmarks import report
+from benchmarks import plots, report
 from benchmarks.contenders import CONTENDERS
 from benchmarks.workload import Spec
 
@@ -339,7 +339,9 @@ def publish(document: dict[str, Any], text: str, out: Path, logs: Path) -> int:
     (out / f"{name}.json").write_text(json.dumps(document, indent=1) + "\n")
     (out / f"{name}.md").write_text(text)
     print(text)
-    print(f"Wrote {out / name}.json and .md; driver logs in {logs}", flush=True)
+    figures = plots.draw(out / f"{name}.json")  # its main figures, beside it (benchmarks.plots)
+    drawn = f", {', '.join(f.name for f in figures)}" if figures else ""
+    print(f"Wrote {out / name}.json and .md{drawn}; driver logs in {logs}", flush=True)
     return 1 if document["errors"] else 0
 
 

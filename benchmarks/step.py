@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import statistics
 import sys
 import time
 from typing import Any
@@ -28,6 +29,7 @@ from benchmarks import run
 from benchmarks.contenders import BASELINE, CONTENDERS, GPU_BASELINE, GPU_CONTENDERS
 from benchmarks.report import Metric, cell, summarize
 from benchmarks.step_measure import GPU_STEP_CONTENDERS, STEP_CONTENDERS, StepSpec
+from ray_lightning.channel.timings import PHASES
 
 METRICS = (
     Metric("step_ms", "step, ms", ".2f"),
@@ -136,8 +138,43 @@ def markdown(document: dict[str, Any]) -> str:
         for row in document["targets"]:
             ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.3f}"
             lines.append(f"| {row['target']} | {_LABELS[row['contender']]} | {ratio} | {row['status']} |")
+    lines += phase_lines(document["measurements"]) + startup_lines(document["measurements"])
     lines += [f"- failed: {e['contender']}, repeat {e['repeat'] + 1}" for e in document["errors"]]
     return "\n".join(lines) + "\n"
+
+
+def phase_lines(measurements: list[dict[str, Any]]) -> list[str]:
+    """Each rank's step split into its phases (``trainer.strategy.timings``), medians over the repeats."""
+    lines = []
+    for name in dict.fromkeys(m["contender"] for m in measurements):
+        runs = [m["timings"] for m in measurements if m["contender"] == name and m.get("timings")]
+        if not runs:
+            continue
+        if not lines:
+            lines = ["", "Where each rank's step went (`trainer.strategy.timings`, ms per step, medians over the "
+                     "repeats; collective: how long backward waited for DDP's all-reduce after the rank's own "
+                     "gradients):", "",
+                     "| contender | rank | " + " | ".join(PHASES) + " | step |",
+                     "| --- | ---: |" + " ---: |" * (len(PHASES) + 1)]  # fmt: skip
+        for rank in sorted(runs[0], key=int):
+            ms = {p: statistics.median(r[rank][p] for r in runs if rank in r) for p in PHASES}
+            cells = " | ".join(f"{ms[p]:.2f}" for p in PHASES)
+            lines.append(f"| {_LABELS[name]} | {rank} | {cells} | {sum(ms.values()):.2f} |")
+    return lines
+
+
+def startup_lines(measurements: list[dict[str, Any]]) -> list[str]:
+    """Where the time between ``fit`` and the first step went (``trainer.strategy.startup``), of each contender's
+    first measurement: one fresh driver process, Ray already up."""
+    lines = []
+    for name in dict.fromkeys(m["contender"] for m in measurements):
+        run = next((m for m in measurements if m["contender"] == name and m.get("startup")), None)
+        if run is None:
+            continue
+        lines += ["", f"From `fit` to the first step, {_LABELS[name]} (its first measurement; rank 0's marks):", "",
+                  "| mark | s since `fit` | s since the mark before |", "| --- | ---: | ---: |"]  # fmt: skip
+        lines += [f"| {mark} | {since:.2f} | {step:.2f} |" for mark, since, step in run["startup"]]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

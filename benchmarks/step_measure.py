@@ -55,8 +55,12 @@ def measure(contender: Contender, spec: StepSpec, result_path: str, record: bool
     module = BenchModule(spec)
     clock_path = f"{result_path}.clock"
     t0 = time.time()
-    contender.fit(spec, module, clock_path, spec.steps)
+    trainer = contender.fit(spec, module, clock_path, spec.steps)
     t1 = time.time()
+    strategy = getattr(trainer, "strategy", None)
+    # RayStrategy's own accounts: each rank's phases per step, and where the time from fit to the first step went.
+    timings = {str(r): t.per_step_ms() for r, t in getattr(strategy, "timings", {}).items()}
+    startup = [list(mark) for mark in getattr(strategy, "startup", [])]
     fit = _fit_metrics(spec, t0, t1, read_clock(clock_path))
     metrics = {
         "step_ms": fit["step_s"] * 1000,
@@ -66,7 +70,8 @@ def measure(contender: Contender, spec: StepSpec, result_path: str, record: bool
         "launch_s": fit["launch_s"],
         "return_s": fit["return_s"],
     }
-    return {"contender": contender.name, "pid": os.getpid(), "fit": fit, "metrics": metrics}
+    return {"contender": contender.name, "pid": os.getpid(), "fit": fit, "metrics": metrics, "timings": timings,
+            "startup": startup}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

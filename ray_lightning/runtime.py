@@ -166,6 +166,11 @@ def mark_progress(phase: str, detail: str | tuple = "", startup: bool = False) -
         _progress.mark(phase, detail, startup)
 
 
+def step_clock() -> Any:
+    """This rank's ``ray_lightning.channel.timings.StepClock`` during a call (its heartbeat's), else None."""
+    return getattr(_progress, "clock", None)
+
+
 def request_checkpoint(reason: str) -> None:
     """Ask this process's recovery callback (rank 0's) for a checkpoint at the next batch end."""
     with _request_lock:

@@ -78,3 +78,4 @@ def test_data_benchmark_measures_every_contender(tmp_path):
     judged = {g["goal"].split(" ")[0]: g["status"] for g in document["goals"] if g["contender"] == "ray_data"}
     assert judged["samples/s"] in ("met", "missed") and judged["on_fit_start"] in ("met", "missed"), document["goals"]
     assert all(g["goal"] in markdown for g in document["goals"])
+    assert (tmp_path / "smoke.png").stat().st_size > 1000, "the report's figure: samples/s per contender"

@@ -51,3 +51,11 @@ def test_step_benchmark_writes_every_metric_for_every_contender(tmp_path):
     judged = {(t["contender"], t["target"]) for t in document["targets"] if t["status"] != "unknown"}
     assert judged == {(n, target) for n in ours for target, _, _ in TARGETS}
     assert all(t["target"] in markdown for t in document["targets"])
+    # RayStrategy's own accounts: every rank's phases, and the start-up marks from fit to the first step.
+    ray_runs = [m for m in document["measurements"] if m["contender"] == "ray"]
+    assert ray_runs and sorted(ray_runs[0]["timings"]) == [str(r) for r in range(document["spec"]["workers"])]
+    marks = [mark for mark, *_ in ray_runs[0]["startup"]]
+    assert marks[0] == "fit called (driver)" and marks[-1] == "first step done", marks
+    assert "Where each rank's step went" in markdown and "From `fit` to the first step" in markdown
+    # The report's figures beside it: step time per contender, each rank's phases.
+    assert (tmp_path / "smoke.png").stat().st_size > 1000 and (tmp_path / "smoke-phases.png").stat().st_size > 1000

@@ -10,10 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ray_lightning._torch.checkpointing import CHECKPOINT_WRAPPER
+from ray_lightning._torch.ddp import LOGGING_DATA
 from ray_lightning._torch.optim import CALLED_MARK, STEP_MARK
 from ray_lightning._torch.private import PrivateName
 
 SCHEDULER = "torch.optim.lr_scheduler.LRScheduler"
+DDP = "torch.nn.parallel.DistributedDataParallel"
 
 
 def _module(path: str) -> Callable[[], Any]:
@@ -40,4 +42,5 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(CHECKPOINT_WRAPPER, "checkpoint_wrapper", _module(CHECKPOINT_WRAPPER)),
     PrivateName(f"an optimizer's step wrapped by {SCHEDULER}", f"step.{STEP_MARK}", _scheduled_optimizer(False)),
     PrivateName(f"an optimizer stepped after {SCHEDULER} wrapped it", CALLED_MARK, _scheduled_optimizer(True)),
+    PrivateName(DDP, LOGGING_DATA, lambda: importlib.import_module("torch.nn.parallel").DistributedDataParallel),
 )

@@ -25,11 +25,15 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import override
 
 from ray_lightning import namespaces, runtime
+from ray_lightning.channel.timings import COMPUTE, DATA, IDLE, OPTIMIZER, StepClock, log_interval
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
 _TAG = "ray_lightning.progress"
+# The step times go to the Trainer's loggers every log_every_n_steps steps, but at most every this many: each time
+# is a small all-gather.
+LOG_EVERY = 50
 
 
 @dataclass(frozen=True)
@@ -41,28 +45,32 @@ class ProgressReport:
     phase: str
     detail: str = ""
     startup: bool = True  # a phase before training, bounded by worker_start_timeout_s
+    times: tuple = ()  # the rank's StepClock.snapshot(): (steps, *seconds per phase), for the call so far
+    marks: tuple = ()  # ((start-up mark, time.time()), ...) the rank passed so far
 
     def describe(self) -> str:
         return f"{self.phase} ({self.detail})" if self.detail else self.phase
 
     def to_message(self) -> tuple:
-        return (_TAG, self.rank, self.count, self.phase, self.detail, self.startup)
+        return (_TAG, self.rank, self.count, self.phase, self.detail, self.startup, self.times, self.marks)
 
     @classmethod
     def from_message(cls, message: Any) -> ProgressReport | None:
         """The report a message carries, or None if it is something else (a driver call)."""
-        if isinstance(message, tuple) and len(message) == 6 and message[0] == _TAG:
+        if isinstance(message, tuple) and len(message) == 8 and message[0] == _TAG:
             return cls(*message[1:])
         return None
 
 
 class Heartbeat:
-    """This rank's progress, sent to the driver every ``interval_s`` while it changes."""
+    """This rank's progress, sent to the driver every ``interval_s`` while it changes, with its step times
+    (``clock``, :mod:`.timings`)."""
 
-    def __init__(self, rank: int, queue: Any, interval_s: float) -> None:
+    def __init__(self, rank: int, queue: Any, interval_s: float, clock: StepClock | None = None) -> None:
         self._rank = rank
         self._queue = queue
         self._interval_s = interval_s
+        self.clock = clock if clock is not None else StepClock()
         self._state = (1, "starting the call", "", True)
         self._sent = 0
         self._stop = threading.Event()
@@ -72,13 +80,17 @@ class Heartbeat:
         """Entered ``phase``; ``detail`` is a string, or ``(template, *values)`` that :meth:`_send` formats."""
         # One assignment: the sending thread always reads a whole state.
         self._state = (self._state[0] + 1, phase, detail, startup)
+        if startup:
+            self.clock.mark_startup(phase)
 
     def start(self) -> None:
         self._send()
         self._thread.start()
 
     def stop(self) -> None:
+        """No more reports after the last state, which is sent now (the call's final step times)."""
         self._stop.set()
+        self._send()
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval_s):
@@ -91,7 +103,8 @@ class Heartbeat:
         self._sent = count
         if isinstance(detail, tuple):
             detail = detail[0].format(*detail[1:])
-        report = ProgressReport(self._rank, count, phase, detail, startup)
+        marks = tuple(self.clock.startup.items())
+        report = ProgressReport(self._rank, count, phase, detail, startup, self.clock.snapshot(), marks)
         with contextlib.suppress(Exception):  # the channel is gone once the call is over
             self._queue.actor.put_nowait.remote(report.to_message())
 
@@ -106,8 +119,11 @@ class HeartbeatCallback(*namespaces.every("callbacks.Callback")):
     A ``Callback`` of every installed Lightning namespace (:func:`ray_lightning.namespaces.every`).
     """
 
-    def __init__(self, loop_started: Callable[[], None] | None = None) -> None:
+    def __init__(self, loop_started: Callable[[], None] | None = None, clock: StepClock | None = None) -> None:
         self._loop_started = loop_started
+        self._clock = clock if clock is not None else StepClock()
+        self._logged: list[float] = []  # the clock's snapshot when the step times were last logged
+        self._logged_step = -1
 
     def _loop_start(self) -> None:
         if self._loop_started is not None:
@@ -115,6 +131,7 @@ class HeartbeatCallback(*namespaces.every("callbacks.Callback")):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._clock.mark_startup("process group joined, setup hooks")
         runtime.mark_progress("setup", stage)
 
     @override
@@ -127,6 +144,7 @@ class HeartbeatCallback(*namespaces.every("callbacks.Callback")):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._clock.enter(IDLE)  # not a training step's time
         self._loop_start()
 
     @override
@@ -139,12 +157,17 @@ class HeartbeatCallback(*namespaces.every("callbacks.Callback")):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._clock.enter(DATA)
         runtime.mark_progress("training", ("epoch {} start", trainer.current_epoch))
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        clock = self._clock
+        clock.enter(COMPUTE)
+        if not clock.steps:
+            clock.mark_startup("first batch")
         runtime.mark_progress("training", ("epoch {}, batch {}: training_step", trainer.current_epoch, batch_idx))
 
     @override
@@ -153,20 +176,35 @@ class HeartbeatCallback(*namespaces.every("callbacks.Callback")):
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._clock.backward_done()
         runtime.mark_progress("training", ("epoch {}: after backward", trainer.current_epoch))
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._clock.enter(OPTIMIZER)
         runtime.mark_progress("training", ("epoch {}: optimizer step", trainer.current_epoch))
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        clock = self._clock
+        clock.step_done()
+        if clock.steps == 1:
+            clock.mark_startup("first step done")
         runtime.mark_progress("training", ("epoch {}, batch {} done", trainer.current_epoch, batch_idx))
+        step = trainer.global_step
+        if trainer.loggers and step != self._logged_step and step % max(trainer.log_every_n_steps, LOG_EVERY) == 0:
+            self._logged_step = step
+            log_interval(trainer, self._clock, self._logged)
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        self._clock.checkpoint_started()
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._clock.enter(IDLE)
         runtime.mark_progress("training", ("epoch {} end", trainer.current_epoch))
 
     @override
@@ -183,6 +221,8 @@ class HeartbeatCallback(*namespaces.every("callbacks.Callback")):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.training:
+            self._clock.enter(DATA)  # training goes on with its next batch
         runtime.mark_progress(_loop_name(trainer, "validation"), "end")
 
     @override

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,8 @@ class RayWorker:
         self._weights: list[Any] = []  # chunks of the last call's trained weights, until the driver takes them
         # torch's generator as a new process has it (a fixed default seed), for every later call (finish_call).
         self._fresh_torch_random = torch.get_rng_state()
+        # Start-up marks of this process (channel.timings): when it started, and when its imports were done.
+        self.started = {"worker process started": _process_start(), "worker imports done": time.time()}
 
     def __repr__(self) -> str:
         # Ray prefixes the lines an actor prints with its repr: "(rank 1 pid=...) Epoch 0: ...".
@@ -86,7 +89,7 @@ class RayWorker:
         """
         self.finish_call()
         self._weights = []
-        call = WorkerCall(context, self._store)
+        call = WorkerCall(context, self._store, self.started)
         try:
             output = call.run(payload[0])
         except BaseException:
@@ -126,3 +129,10 @@ class RayWorker:
             random.seed()
             np.random.seed()
             torch.set_rng_state(self._fresh_torch_random)
+
+
+def _process_start() -> float:
+    """When this process started (``time.time()``'s clock)."""
+    import psutil
+
+    return psutil.Process().create_time()

@@ -45,9 +45,10 @@ if TYPE_CHECKING:
 class WorkerCall:
     """One call in this worker process, with the rank and rendezvous ``context`` and ``store`` give it."""
 
-    def __init__(self, context: WorkerContext, store: Any) -> None:
+    def __init__(self, context: WorkerContext, store: Any, started: dict[str, float] | None = None) -> None:
         self.context = context
         self._store = store
+        self._started = started or {}  # the process's start-up marks (RayWorker.started)
         self._strategy: Any = None
         self._saved_environment: dict[str, str] = {}
         self._watch: PreemptionWatch | None = None
@@ -64,6 +65,8 @@ class WorkerCall:
         heartbeat = None
         if context.progress_interval_s is not None and context.driver_queue is not None:
             heartbeat = Heartbeat(context.rank.global_rank, context.driver_queue, context.progress_interval_s)
+            heartbeat.clock.startup.update(self._started)
+            heartbeat.clock.mark_startup("call received")
         self._watch = PreemptionWatch(context.recovery, context.rank.global_rank, where_this_runs())
         try:
             with runtime.activated(context, heartbeat), self._watch:
@@ -111,7 +114,8 @@ class WorkerCall:
                 trainer.callbacks.append(recorder)
             if context.progress_interval_s is not None:
                 # One callback puts the SIGTERM handler back in front and marks progress (HeartbeatCallback).
-                trainer.callbacks.append(HeartbeatCallback(loop_started=self._watch.install))
+                clock = runtime.step_clock()
+                trainer.callbacks.append(HeartbeatCallback(loop_started=self._watch.install, clock=clock))
             else:
                 trainer.callbacks.append(SigtermFirst(self._watch))
             # Rank 0 closes its runs before they are collected.

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,7 @@ from ray.util.placement_group import get_current_placement_group
 from typing_extensions import override
 
 from ray_lightning import _lightning, namespaces
+from ray_lightning.channel.timings import startup_breakdown, table
 from ray_lightning.channel.worker_output import output_sync
 from ray_lightning.config.elastic import ElasticSettings
 from ray_lightning.environment import RayEnvironment
@@ -98,6 +100,7 @@ class Attempt:
     nodes: Mapping[int, NodeInfo] = field(default_factory=dict)
     staging: files.StagingArea | None = None
     failure: Failure | None = None
+    watchdog: Watchdog | None = None  # what the ranks reported: their step times and start-up
 
 
 @dataclass
@@ -113,6 +116,7 @@ class _Call:
     function_only: bool = False  # no Trainer: a function Fabric launched
     growth: Growth | None = None  # num_workers=(min, max): when it moves onto more workers
     keep_checkpoints: tuple[str, ...] = ()  # the ckpt_path given, which no rotation may remove
+    marks: dict[str, float] = field(default_factory=dict)  # the driver's start-up marks (time.time())
 
 
 class RayLauncher(*_lightning.launcher_bases()):
@@ -144,18 +148,22 @@ class RayLauncher(*_lightning.launcher_bases()):
         """``function(*args, **kwargs)`` on the workers: a Trainer's, or (``trainer`` None) Fabric's launched one."""
         if trainer is not None:
             self._strategy.check_trainer(trainer)
+        marks = {"fit called (driver)": time.time()}
         ensure_ray_initialized()
+        marks["Ray ready (driver)"] = time.time()
         with contextlib.ExitStack() as stack:
             args, kwargs = enter_driver_hooks(function, args, kwargs, trainer, stack)
             check_checkpoint_exists(function, args, kwargs)
             ends = prepare_arguments(trainer, args, kwargs, self._strategy.resources)
             try:
-                return self._launch(function, args, kwargs, trainer)
+                return self._launch(function, args, kwargs, trainer, marks)
             finally:
                 for end in ends:
                     end()
 
-    def _launch(self, function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer | None) -> Any:
+    def _launch(
+        self, function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer | None, marks: dict[str, float]
+    ) -> Any:
         # With storage_path: the run's folder, checked writable; the Trainer's directories are placed in it.
         workers, elastic = self._strategy.workers, self._elastic(trainer)
         run = storage.open_run(trainer, workers.storage, self._strategy.run_name_now)
@@ -174,12 +182,15 @@ class RayLauncher(*_lightning.launcher_bases()):
             keep_checkpoints=files.path_forms(given),
             function_only=trainer is None,
             growth=Growth(elastic, workers.resources, trainer.max_epochs, trainer.max_steps) if elastic else None,
+            marks=marks,
         )
+        marks["payload put (driver)"] = time.time()
         if run is not None:
             self._announce_run(call, trainer, given)
         self.transferred_files = []
         try:
             attempt = self._attempts(call)
+            self._publish_times(attempt, call)
             environment = getattr(self._strategy, "cluster_environment", None)
             if isinstance(environment, RayEnvironment):
                 environment.ran_on(len(attempt.group.ranks))
@@ -193,6 +204,19 @@ class RayLauncher(*_lightning.launcher_bases()):
             call.recovery.close()
             if call.growth is not None:
                 call.growth.close()
+
+    def _publish_times(self, attempt: Attempt, call: _Call) -> None:
+        """The call's step times and start-up on the strategy (``timings``, ``startup``); the times' table, once."""
+        strategy = self._strategy
+        if attempt.watchdog is None or not hasattr(strategy, "timings"):
+            return  # Fabric's strategies: no training loop to time
+        timings = attempt.watchdog.times.result()
+        # In place: a strategy rebuilt for the other Lightning namespace shares them with the caller's.
+        strategy.timings.clear()
+        strategy.timings.update(timings)
+        strategy.startup[:] = startup_breakdown(call.marks, attempt.watchdog.startup_marks.get(0, {}))
+        if any(t.steps for t in timings.values()):
+            log.info("%s", table(timings))
 
     def _elastic(self, trainer: pl.Trainer | None) -> ElasticSettings | None:
         """The elastic settings a call uses: a Trainer's fit outside a Tune trial (whose bundles are fixed)."""
@@ -227,6 +251,7 @@ class RayLauncher(*_lightning.launcher_bases()):
     def _attempts(self, call: _Call) -> Attempt:
         """Attempts of the call until one succeeds, or a failure no restart follows is raised."""
         group = self._acquire_group(call)
+        call.marks.setdefault("workers placed (driver)", time.time())
         while True:
             if call.growth is not None:
                 call.growth.ask_autoscaler(len(group.ranks))
@@ -312,6 +337,7 @@ class RayLauncher(*_lightning.launcher_bases()):
                 node_staging=call.function_only,
             )
             infos = group.node_infos(timeouts.start_s)
+            call.marks.setdefault("workers up, their imports done (driver)", time.time())
             nodes = {r.global_rank: info for r, info in zip(group.ranks, infos)}
             staging = _staging_area(nodes, settings) if call.run is None else None
             contexts = self._contexts(group, infos, staging, settings, call)
@@ -319,7 +345,7 @@ class RayLauncher(*_lightning.launcher_bases()):
             outputs = group.run(call.payload, contexts, channel, watchdog, stop=_stop_check(call, len(group.ranks)))
             channel.run_remaining()
             _wait_for_output(settings, [r.global_rank for r in group.ranks], _OUTPUT_WAIT_S)
-            return Attempt(group, outputs, nodes, staging)
+            return Attempt(group, outputs, nodes, staging, watchdog=watchdog)
         except Exception as error:  # noqa: BLE001 - every failure becomes the attempt's record, decided on next
             if isinstance(error, RayWorkerError) and channel is not None:
                 self._after_worker_error(error, channel, settings, call)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ray_lightning.channel.heartbeat import ProgressReport
 from ray_lightning.errors import WorkerHangError
 from ray_lightning.launch.actor import NodeInfo
+from ray_lightning.launch.stragglers import StepTimes
 
 
 @dataclass
@@ -46,11 +47,17 @@ class Watchdog:
         self._clock = clock
         now = self._checked_at = clock()
         self._seen = {rank: _Seen(ProgressReport(rank, 0, "starting the call"), now) for rank in ranks}
+        # What the reports carry besides progress: the step times (stragglers named as they show) and when each
+        # rank passed its start-up phases.
+        self.times = StepTimes(self._ranks, [i.node_ip for i in self._infos])
+        self.startup_marks: dict[int, dict[str, float]] = {}
 
     def record(self, report: ProgressReport) -> None:
         seen = self._seen.get(report.rank)
         if seen is not None and report.count > seen.report.count:
             self._seen[report.rank] = _Seen(report, self._clock())
+            self.times.record(report.rank, report.times)
+            self.startup_marks[report.rank] = dict(report.marks)
 
     def finished(self, rank: int) -> None:
         """``rank``'s call returned; it is no longer watched."""

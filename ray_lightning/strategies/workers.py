@@ -233,7 +233,7 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
     registry_name: str
     # A Trainer of the other Lightning namespace uses a rebuild of this strategy: the caller's object
     # shows its restarts too (namespaces.rebuild_for).
-    shared_with_rebuild = ("restarts",)
+    shared_with_rebuild = ("restarts", "timings", "startup")
     # Whether its checkpoints can go to an fsspec URL (storage_path="s3://..."); else only to a mounted directory.
     writes_to_urls = True
     # With storage_path: rank 0's checkpoint files are uploaded while training goes on (home.background_io).
@@ -260,6 +260,10 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
         self.workers = workers
         # Every restart of this strategy's workers inside its calls (ray_lightning.launch.recovery.Restart).
         self.restarts: list[Any] = []
+        # The last call's step times per rank (ray_lightning.channel.timings.RankTimes) and where the time from
+        # fit to its first step went ((mark, seconds since fit, seconds since the mark before)).
+        self.timings: dict[int, Any] = {}
+        self.startup: list[tuple[str, float, float]] = []
         self._worker: WorkerContext | None = None
         self._rendezvous_store: Any = None
 
@@ -364,7 +368,12 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if self._worker is not None:
-            super().save_checkpoint(checkpoint, filepath, storage_options)
+            try:
+                super().save_checkpoint(checkpoint, filepath, storage_options)
+            finally:
+                clock = runtime.step_clock()
+                if clock is not None:
+                    clock.checkpoint_done()  # the time it blocked the training thread (channel.timings)
             return
         # On the driver, after a fit.
         if "optimizer_states" in checkpoint:
