@@ -36,9 +36,14 @@ from __future__ import annotations
 import functools
 import importlib
 import itertools
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+# ray_lightning/__init__.py imports this module first: when the process began to import the package, and with it
+# torch and Lightning (a worker's start-up breakdown, ray_lightning.channel.timings).
+IMPORT_STARTED = time.time()
 
 INSTALL_HINT = (
     "ray_lightning needs PyTorch Lightning: `pip install lightning` (import lightning.pytorch) or "

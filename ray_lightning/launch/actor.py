@@ -21,6 +21,7 @@ import numpy as np
 import ray
 import torch
 
+from ray_lightning import namespaces
 from ray_lightning.home.results import WorkerOutput
 from ray_lightning.launch.call import WorkerCall, imported_code_files, mtime
 from ray_lightning.launch.rendezvous import Rendezvous, RendezvousPoint
@@ -52,8 +53,13 @@ class RayWorker:
         self._weights: list[Any] = []  # chunks of the last call's trained weights, until the driver takes them
         # torch's generator as a new process has it (a fixed default seed), for every later call (finish_call).
         self._fresh_torch_random = torch.get_rng_state()
-        # Start-up marks of this process (channel.timings): when it started, and when its imports were done.
-        self.started = {"worker process started": _process_start(), "worker imports done": time.time()}
+        # Start-up marks of this process (channel.timings): when it started, when Ray had it load this class (its
+        # imports began), and when they were done.
+        self.started = {
+            "worker process started": _process_start(),
+            "worker imports began": namespaces.IMPORT_STARTED,
+            "worker imports done": time.time(),
+        }
 
     def __repr__(self) -> str:
         # Ray prefixes the lines an actor prints with its repr: "(rank 1 pid=...) Epoch 0: ...".

@@ -49,8 +49,10 @@ log = logging.getLogger(__name__)
 # progress every PROGRESS_INTERVAL_S.
 CHECK_INTERVAL_S = 5.0
 PROGRESS_INTERVAL_S = 20.0
-# An elastic fit asks for each size this long before it asks for one worker fewer (launch.placement.reserve_elastic).
-PROBE_S = 1.0
+# How long an elastic fit's probe waits for a placement group of one size (reserve_elastic, free_room). A group the
+# free resources hold is placed in milliseconds; 2 s leaves a busy cluster's scheduler time, and a probe is gone
+# before the autoscaler's next look at pending demand (every 5 s by default), so it is not read as sustained demand.
+PROBE_S = 2.0
 
 # A Tune trial's placement group: bundle 0 holds the trial's own process, which only waits for its
 # workers and reports; the workers take the bundles after it.
@@ -284,33 +286,67 @@ def reserve_elastic(
 ) -> OwnPlacement:
     """The most of ``request``'s workers (``request.num_workers`` at most, ``min_workers`` at least) placed now.
 
-    Each size from the most down is tried for :data:`PROBE_S` (a group the free resources hold is placed in
-    milliseconds; one the alive nodes could never hold is skipped); when none is placed at once, ``min_workers``
-    are reserved as a fixed-size fit's workers are (:meth:`OwnPlacement.reserve`: waiting within the bounds).
+    The sizes above ``min_workers`` are probed by :func:`most_placed` (at most ``ceil(log2(max - min)) + 1``
+    placement groups, each given :data:`PROBE_S`; a size the alive nodes could never hold is not asked for), then
+    the size found is reserved; when none is placed at once, ``min_workers`` are reserved as a fixed-size fit's
+    workers are (:meth:`OwnPlacement.reserve`: waiting within the bounds).
     """
-    for size in range(request.num_workers, min_workers, -1):
-        sized = request.with_workers(size)
-        try:
-            check_cluster_can_hold(sized, ClusterNow.read().resources)
-        except ClusterResourceError:
-            continue
-        pg = _placed_at_once(sized)
-        if pg is not None:
-            return OwnPlacement.placed(pg, sized)
+    size = most_placed(min_workers, request.num_workers, _prober(request))
+    if size > min_workers:
+        pg = _placed_at_once(request.with_workers(size))
+        if pg is not None:  # else another job took the room since the probe: the wait below
+            return OwnPlacement.placed(pg, request.with_workers(size))
     return OwnPlacement.reserve(request.with_workers(min_workers), placement_timeout_s, scale_up_timeout_s, say)
 
 
 def free_room(request: WorkerResources, most: int) -> int:
     """How many more of ``request``'s workers (``most`` at most) the cluster's free resources hold now.
 
-    Asked with a placement group of that many bundles (removed at once), so Ray decides it as it would place them.
+    Asked with placement groups of those sizes (:func:`most_placed`, each removed at once), so Ray decides it as
+    it would place them.
     """
-    for extra in range(most, 0, -1):
-        pg = _placed_at_once(request.with_workers(extra))
-        if pg is not None:
-            remove_placement_group(pg)
-            return extra
-    return 0
+    return most_placed(0, most, _prober(request))
+
+
+def most_placed(low: int, high: int, places: Callable[[int], bool]) -> int:
+    """The largest size in ``(low, high]`` for which ``places`` is true, or ``low`` if none.
+
+    ``high`` first (a cluster with room answers in one probe), then bisection, on the rule that a cluster that
+    places ``n`` workers places fewer: at most ``ceil(log2(high - low)) + 1`` calls of ``places``, not one per
+    size (``num_workers=(64, 512)``: 10 placement groups, not up to 448 of up to 512 bundles each).
+    """
+    if high <= low:
+        return low
+    if places(high):
+        return high
+    fits, fails = low, high
+    while fails - fits > 1:
+        size = (fits + fails) // 2
+        if places(size):
+            fits = size
+        else:
+            fails = size
+    return fits
+
+
+def _prober(request: WorkerResources) -> Callable[[int], bool]:
+    """Whether Ray places ``request`` at a size at once, asked with a placement group removed at once (not asked,
+    false, for a size the alive nodes could never hold)."""
+    nodes = ClusterNow.read().resources
+
+    def places(size: int) -> bool:
+        sized = request.with_workers(size)
+        try:
+            check_cluster_can_hold(sized, nodes)
+        except ClusterResourceError:
+            return False
+        pg = _placed_at_once(sized)
+        if pg is None:
+            return False
+        remove_placement_group(pg)
+        return True
+
+    return places
 
 
 def _placed_at_once(request: WorkerResources) -> Any | None:
