@@ -7,6 +7,7 @@ rank enters, an ``init_hook`` that never returns), and the test asserts what a u
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -105,8 +106,9 @@ def test_a_barrier_entered_by_one_rank_only_names_that_rank(kind):
         assert "OneSidedBarrier.on_train_epoch_end" in _stack_section(message, 0), message
     else:
         # Horovod's barrier is hvd.join, which lets rank 1 train on alone and finish; then rank 0's
-        # join returns and it waits forever in the next epoch's gradient allreduce.
-        assert "rank 1: finished its part of the call" in message, message
+        # join returns and it waits forever in the next epoch's gradient allreduce. Rank 1 is past training
+        # (on a loaded machine it may still be collecting its results when rank 0's bound passes).
+        assert re.search(r"rank 1: (finished its part of the call|collecting the results)", message), message
         assert "synchronize" in _stack_section(message, 0), message
 
 
