@@ -28,6 +28,13 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, figure: Any, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
 def bars(path: Path, title: str, unit: str, values: dict[str, list[float]]) -> Path:
     """One bar per contender: the median of its samples, the min–max as an error bar."""
     plt = _pyplot()
@@ -42,10 +49,7 @@ def bars(path: Path, title: str, unit: str, values: dict[str, list[float]]) -> P
     axes.set_title(title, fontsize=10)
     for y, m in enumerate(medians):
         axes.text(m, y, f" {m:.3g}", va="center", fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, path)
 
 
 def stacked(path: Path, title: str, rows: dict[str, dict[str, float]], phases: tuple[str, ...]) -> Path:
@@ -61,10 +65,7 @@ def stacked(path: Path, title: str, rows: dict[str, dict[str, float]], phases: t
     axes.set_xlabel("ms per step")
     axes.set_title(title, fontsize=10)
     axes.legend(fontsize=8, ncol=len(phases), loc="lower center", bbox_to_anchor=(0.5, -0.45))
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, path)
 
 
 def timeline(path: Path, title: str, series: dict[str, list[tuple[float, float]]]) -> Path:
@@ -78,10 +79,7 @@ def timeline(path: Path, title: str, series: dict[str, list[tuple[float, float]]
     axes.set_ylabel("workers")
     axes.set_title(title, fontsize=10)
     axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, path)
 
 
 def _samples(document: dict[str, Any], key: str) -> dict[str, list[float]]:
@@ -124,11 +122,8 @@ def draw(json_path: str | Path) -> list[Path]:
     path = Path(json_path)
     document = json.loads(path.read_text())
     base = path.with_suffix("")
-    command = (
-        " ".join(document.get("command") or [])
-        if isinstance(document.get("command"), list)
-        else str(document.get("command", ""))
-    )
+    command = document.get("command") or ""
+    command = " ".join(command) if isinstance(command, list) else str(command)
     if "benchmarks.step" in command:
         return _step(document, base)
     if "benchmarks.elastic" in command:
