@@ -13,6 +13,11 @@ timed it in its latest sampled iteration (:func:`ray_lightning._torch.allreduce_
 one in a hundred); where nothing reports it (Horovod, sharded strategies), part of ``compute``), ``optimizer``
 (from ``on_before_optimizer_step`` to the step's end) and ``checkpoint`` (saving on the training thread,
 whatever phase it interrupted).
+
+Growth: per rank, nothing per byte and two additions per step; its totals (six numbers) and start-up marks ride on
+its heartbeat, one report per interval through the driver's queue (the driver: a median over the ranks per interval,
+:mod:`ray_lightning.launch.stragglers`). The loggers' curves: an all-gather of six numbers per rank at most every 50
+steps, and rank 0 logs five scalars per rank.
 """
 
 from __future__ import annotations
