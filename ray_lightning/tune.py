@@ -43,10 +43,11 @@ import torch
 from ray.tune import PlacementGroupFactory
 from typing_extensions import override
 
-from ray_lightning import namespaces, runtime
+from ray_lightning import _ray, namespaces, runtime
 from ray_lightning.channel.driver_channel import ask_driver
 from ray_lightning.config.resources import resolve_worker_resources
 from ray_lightning.home import storage
+from ray_lightning.home.recovery import write_checkpoint
 from ray_lightning.launch.placement import trial_bundles
 
 if TYPE_CHECKING:
@@ -206,7 +207,7 @@ class TuneReportCallback(*namespaces.every("callbacks.Callback")):
     def _report(self, trainer: pl.Trainer) -> None:
         self._send(trainer, self._collect(trainer) if trainer.is_global_zero else {}, None)
 
-    def _send(self, trainer: pl.Trainer, metrics: dict[str, Any], checkpoint: tuple[str, bytes] | None) -> None:
+    def _send(self, trainer: pl.Trainer, metrics: dict[str, Any], checkpoint: tuple[str, bytes | None] | None) -> None:
         """Rank 0 reports and waits for Tune to take it; every rank learns whether Tune stopped the trial."""
         if runtime.current_context() is None:
             # A Trainer in the trial's own process: Tune's stop ends the function right here, as Tune does.
@@ -231,10 +232,15 @@ class TuneReportCallback(*namespaces.every("callbacks.Callback")):
 class TuneReportCheckpointCallback(TuneReportCallback):
     """Report metrics to Ray Tune together with a Lightning checkpoint of the training so far.
 
-    The checkpoint is written by ``trainer.save_checkpoint`` (weights, optimizer, loops, callbacks)
-    and stored by Tune with the trial; under ``RayFSDPStrategy``/``RayModelParallelStrategy`` it is
-    the full checkpoint gathered on rank 0, one file whatever their ``state_dict_type``. Load it with
-    ``Model.load_from_checkpoint(os.path.join(result.checkpoint.path, filename))``.
+    The checkpoint (weights, optimizer, loops, callbacks: what ``trainer.save_checkpoint`` writes) is
+    written by the ranks themselves straight into the folder Tune keeps the trial's checkpoint in (Tune's
+    ``storage_path``, a directory or a bucket): rank 0 writes one file, and under
+    ``RayFSDPStrategy``/``RayModelParallelStrategy`` every rank writes its own shards (torch's distributed
+    checkpoint, a directory named ``filename``), never gathered. Tune is handed a note of a few bytes; nothing of
+    the checkpoint passes through the trial's process, whatever the model's size. Load a full one with
+    ``Model.load_from_checkpoint(os.path.join(result.checkpoint.path, filename))``. Where fsspec cannot reach
+    Tune's storage (a custom pyarrow filesystem) the checkpoint goes through the trial's process as bytes, as
+    before, and a warning says why.
 
     **A trial Tune restores resumes by itself.** When Tune starts a trial from a checkpoint this
     callback reported (PBT/PB2 exploiting another trial, Tune's ``max_failures`` retrying one), the
@@ -286,6 +292,11 @@ class TuneReportCheckpointCallback(TuneReportCallback):
         # This fit's optimizer settings as configure_optimizers made them; the checkpoint's, when resuming.
         self._configured: list[list[dict[str, Any]]] | None = None
         self._restored: list[list[dict[str, Any]]] | None = None
+        # Set on the driver before each call (and sent to the workers with the Trainer): Tune's storage of this
+        # trial, which the ranks write to themselves; None: the checkpoint goes through the trial's process.
+        self._in_storage = False
+        # The checkpoint Tune restored this trial with, when every worker reads it in place (the launcher).
+        self.checkpoint_read_in_place: str | None = None
 
     # Strategies whose own checkpoints are written by every rank (DeepSpeed's directories) refuse this
     # callback before launch: it sends Tune one file.
@@ -295,10 +306,20 @@ class TuneReportCheckpointCallback(TuneReportCallback):
     @override
     def around_driver_call(self, trainer: pl.Trainer) -> Iterator[str | None]:
         """Also yields the file of the checkpoint Tune restored this trial with, in the trial's first fit."""
+        self._in_storage = _ranks_write_to_tune_storage()
+        self.checkpoint_read_in_place = None
         fitting = trainer.state.fn == "fit"
         checkpoint = _restored_checkpoint() if fitting and self._resume and _first_fit_of_trial() else None
         if checkpoint is None:
             yield None
+            _end_if_tune_stopped()
+            return
+        location = _checkpoint_in_storage(checkpoint)
+        if location is not None:
+            say = namespaces.of(trainer).pl("utilities.rank_zero.rank_zero_info")
+            say(f"ray_lightning.tune: this trial resumes from the checkpoint Tune restored it with, {location}")
+            self.checkpoint_read_in_place = location
+            yield location
             _end_if_tune_stopped()
             return
         with checkpoint.as_directory() as directory:
@@ -336,6 +357,9 @@ class TuneReportCheckpointCallback(TuneReportCallback):
 
     def _report(self, trainer: pl.Trainer) -> None:
         metrics = self._collect(trainer) if trainer.is_global_zero else {}
+        if self._in_storage:
+            self._report_written_in_place(trainer, metrics)
+            return
         gather = getattr(trainer.strategy, "full_checkpoint", None)
         if gather is not None:
             # A sharded strategy's own checkpoint may be a directory of every rank's shards (on several
@@ -358,6 +382,20 @@ class TuneReportCheckpointCallback(TuneReportCallback):
                 with open(path, "rb") as f:
                     data = f.read()
             self._send(trainer, metrics, (self._filename, data) if data is not None else None)
+
+    def _report_written_in_place(self, trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
+        """Every rank writes its part into the folder Tune persists the next checkpoint in; Tune gets a note.
+
+        Growth law: per report, one small request from rank 0 to the trial's process and one broadcast of a
+        path; each rank writes its own part of the checkpoint (rank 0 the whole of a full one); the trial's
+        process handles a few hundred bytes, whatever the model's size.
+        """
+        folder = ask_driver(_next_checkpoint_folder) if trainer.is_global_zero else None
+        if trainer.world_size > 1:
+            folder = trainer.strategy.broadcast(folder, src=0)
+        write_checkpoint(trainer, storage.join(folder, self._filename), None)
+        storage.uploads().wait()  # every rank's part is written (rank 0's also waits for the others' shards)
+        self._send(trainer, metrics, (self._filename, None))
 
 
 def report(fabric: Any, metrics: Mapping[str, Any], checkpoint_path: str | None = None) -> bool:
@@ -431,6 +469,42 @@ def _restored_checkpoint() -> Any:
         return tune.get_checkpoint()
 
 
+def _ranks_write_to_tune_storage() -> bool:
+    """On the trial's process: whether the ranks can write this trial's checkpoints into Tune's storage."""
+    url, why = _ray.tune.trial_storage_url()
+    if url is None and why != "not in a Tune trial":
+        warnings.warn(
+            f"ray_lightning.tune: the trial's checkpoints go through the trial's process as bytes: {why}. "
+            "Give Tune a storage_path that fsspec reaches (a directory every node mounts, s3://, gs://).",
+            stacklevel=3,
+        )
+    return url is not None
+
+
+def _next_checkpoint_folder() -> str:
+    """On the trial's process, asked by rank 0: the folder Tune keeps the next reported checkpoint in, emptied of
+    what an earlier attempt may have left there."""
+    folder = _ray.tune.next_checkpoint_url()
+    storage.remove(folder)
+    return folder
+
+
+def _checkpoint_in_storage(checkpoint: Any) -> str | None:
+    """The file (or sharded checkpoint's folder) of a Tune checkpoint this module reported, where every worker reads
+    it in place; None when it is not one, or is not reachable so (then it is read through the trial's process)."""
+    folder = _ray.tune.checkpoint_url(checkpoint)
+    if folder is None:
+        return None
+    try:
+        fs, path = storage.filesystem(storage.join(folder, MARKER_FILE))
+        filename = json.loads(fs.cat_file(path))["filename"]
+        location = storage.join(folder, filename)
+        found_fs, found = storage.filesystem(location)
+        return location if found_fs.exists(found) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _checkpoint_file(directory: str) -> str | None:
     """The checkpoint file in a directory this module reported to Tune, or None for anyone else's."""
     try:
@@ -495,8 +569,11 @@ def _end_if_tune_stopped() -> None:
         raise SystemExit(0)
 
 
-def report_to_tune(metrics: dict[str, Any], checkpoint: tuple[str, bytes] | None, until_stopped: bool = False) -> bool:
-    """Runs in the trial's process: ``ray.tune.report``, with the checkpoint file written to a directory.
+def report_to_tune(
+    metrics: dict[str, Any], checkpoint: tuple[str, bytes | None] | None, until_stopped: bool = False
+) -> bool:
+    """Runs in the trial's process: ``ray.tune.report``, with the checkpoint file written to a directory (its
+    bytes None: the ranks wrote it into the folder Tune persists this checkpoint in, and Tune gets the note).
 
     Tune stops a trial (a scheduler's decision, the end of the search) by ending its function inside
     ``report``. With ``until_stopped`` that end waits: this returns True, the workers end ``fit`` at the
@@ -516,7 +593,7 @@ def report_to_tune(metrics: dict[str, Any], checkpoint: tuple[str, bytes] | None
     return False
 
 
-def _report(metrics: dict[str, Any], checkpoint: tuple[str, bytes] | None) -> None:
+def _report(metrics: dict[str, Any], checkpoint: tuple[str, bytes | None] | None) -> None:
     from ray import tune
 
     if checkpoint is None:
@@ -524,13 +601,15 @@ def _report(metrics: dict[str, Any], checkpoint: tuple[str, bytes] | None) -> No
         return
     filename, data = checkpoint
     with tempfile.TemporaryDirectory(prefix="ray_lightning-tune-") as directory:
-        path = os.path.join(directory, filename)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
+        if data is not None:
+            path = os.path.join(directory, filename)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
         with open(os.path.join(directory, MARKER_FILE), "w") as f:
             json.dump({"filename": filename}, f)
-        # Tune copies the directory into the trial's storage before report returns.
+        # Tune copies the directory into the trial's storage before report returns (only the files it holds:
+        # a checkpoint the ranks wrote into that folder stays beside them).
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(directory))
 
 

@@ -71,6 +71,39 @@ def test_model_parallel_with_data_parallel_only_equals_ddp(ddp_weights):
     torch.testing.assert_close(model.state_dict(), ddp_weights)
 
 
+class LateMLP(MLP):
+    """The MLP with its layers made in configure_model (as for a model too big for one process): empty on the driver."""
+
+    def __init__(self, **kwargs) -> None:
+        super(MLP, self).__init__(**kwargs)
+        del self.layer
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        if not hasattr(self, "layer"):
+            self.layer = nn.Sequential(nn.Linear(self.hparams.dim, 16), nn.ReLU(), nn.Linear(16, 1))
+        fully_shard(self.layer, mesh=self.device_mesh["data_parallel"])
+
+
+def test_full_weights_home_none_decides_from_the_size_the_workers_built(monkeypatch, tmp_path):
+    import psutil
+
+    def size(module):
+        return sum(t.numel() * t.element_size() for t in module.parameters())
+
+    # The driver's free memory as a budget between the empty module's size and the built model's: only the
+    # workers, after configure_model, can tell that the weights do not fit.
+    empty, built = size(LateMLP()), size(MLP())
+    assert empty < built
+    available = type("Memory", (), {"available": empty + built})()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: available)
+    _, trainer = _fit(RayModelParallelStrategy(num_workers=2), LateMLP, max_epochs=1)
+    assert trainer.callback_metrics["val_loss"] > 0
+    with pytest.raises(RuntimeError, match="stayed in the workers' checkpoints"):
+        trainer.save_checkpoint(tmp_path / "driver.ckpt", weights_only=True)
+
+
 def test_tensor_parallel_block_trains_and_comes_home():
     reference, _ = _fit(RayStrategy(num_workers=1), DenseBlockModel)
     model, trainer = _fit(RayModelParallelStrategy(num_workers=2, tensor_parallel_size=2), BlockModel)

@@ -159,29 +159,49 @@ def train_sharded_with_checkpoints(config):
     from ray_lightning import RayFSDPStrategy
     from tests.sharded_models import MLP
 
-    strategy = RayFSDPStrategy(num_workers=2, state_dict_type="sharded")
-    trainer = _trainer([TuneReportCheckpointCallback({"loss": "val_loss"}, filename="model.ckpt")], strategy)
-    trainer.fit(MLP())
+    class EpochsTrained(pl.Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.is_global_zero:
+                with open(config["epochs_file"], "a") as f:
+                    f.write(f"{trainer.current_epoch}\n")
+
+    strategy = RayFSDPStrategy(num_workers=config.get("workers", 2), state_dict_type="sharded")
+    callback = TuneReportCheckpointCallback({"loss": "val_loss"}, filename="model.ckpt")
+    _trainer([callback, EpochsTrained()], strategy, max_epochs=config.get("epochs", 3)).fit(MLP())
 
 
-def test_a_sharded_trial_reports_one_full_checkpoint_file(tmp_path):
-    from tests.sharded_models import MLP
+def test_a_sharded_trial_checkpoint_is_written_by_every_rank_into_tunes_folder_and_resumes_on_another_size(tmp_path):
+    from ray_lightning.tune import MARKER_FILE
 
+    first, second = tmp_path / "first-epochs", tmp_path / "second-epochs"
     analysis = tune.run(
         train_sharded_with_checkpoints,
+        config={"epochs_file": str(first)},
         resources_per_trial=get_tune_resources(num_workers=2),
         storage_path=str(tmp_path),
         verbose=0,
     )
     (trial,) = analysis.trials
-    assert trial.last_result["training_iteration"] == 3
-    # The strategy's own checkpoints are directories of shards; Tune got the full one, gathered on rank 0.
-    path = os.path.join(trial.checkpoint.path, "model.ckpt")
-    saved = torch.load(path, weights_only=False)
-    assert saved["epoch"] == 2 and saved["optimizer_states"], "a full training checkpoint"
-    assert all(type(t) is torch.Tensor for t in saved["state_dict"].values()), "full tensors, not shards"
-    restored = MLP.load_from_checkpoint(path)
-    assert restored.layer[0].weight.shape == (16, restored.hparams.dim)
+    assert trial.last_result["training_iteration"] == 3 and first.read_text().split() == ["0", "1", "2"]
+    # Tune's checkpoint folder holds the ranks' own shards (one file per rank: never gathered) and the note Tune
+    # was handed; nothing of the checkpoint went through the trial's process.
+    assert sorted(os.listdir(trial.checkpoint.path)) == sorted([MARKER_FILE, "model.ckpt"])
+    folder = os.path.join(trial.checkpoint.path, "model.ckpt")
+    assert sorted(f for f in os.listdir(folder) if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert torch.load(os.path.join(folder, "meta.pt"), weights_only=False)["epoch"] == 2
+
+    # Tune restores a trial from it (as PBT's exploit does) on one worker: the shards are resharded, in place.
+    restored = tune.run(
+        train_sharded_with_checkpoints,
+        config={"workers": 1, "epochs": 4, "epochs_file": str(second)},
+        resources_per_trial=get_tune_resources(num_workers=1),
+        storage_path=str(tmp_path / "again"),
+        restore=trial.checkpoint.path,
+        verbose=0,
+    )
+    (again,) = restored.trials
+    assert again.status == "TERMINATED", again.error_file
+    assert second.read_text().split() == ["3"]  # the resumed fit trained only the fourth epoch
 
 
 def train_fail_once_then_resume(config):

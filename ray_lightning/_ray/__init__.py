@@ -21,6 +21,10 @@ breaks one folder, and ``tests/test_ray_internals.py`` names what moved:
   length of ``RayDataModule``'s loaders (:mod:`ray_lightning.data`); and, not private but fragile, a pass's
   block references (``Dataset.iter_internal_ref_bundles``, a DeveloperAPI) and the deprecated
   ``ExecutionOptions.exclude_resources`` that keeps Ray Data off the training workers' CPUs.
+* :mod:`.tune`: a Tune trial's storage (``ray.train._internal.session.get_session().storage``, a
+  DeveloperAPI ``StorageContext``, and its ``_make_checkpoint_dir_name``): the folder the ranks write a
+  trial's checkpoint into themselves (:class:`ray_lightning.tune.TuneReportCheckpointCallback`). Where it is
+  missing, the checkpoint goes through the trial's process as bytes.
 
 Where a private name is missing, each caller degrades as it always did: no output markers, no
 preemption notice, an autoscaler that is unknown. :data:`PRIVATE_NAMES` lists all of them (with
@@ -28,7 +32,7 @@ preemption notice, an autoscaler that is unknown. :data:`PRIVATE_NAMES` lists al
 either); a test checks each still exists.
 """
 
-from ray_lightning._ray import data, kv, logs, state
+from ray_lightning._ray import data, kv, logs, state, tune
 from ray_lightning._ray.names import PRIVATE_NAMES
 
-__all__ = ["PRIVATE_NAMES", "data", "kv", "logs", "state"]
+__all__ = ["PRIVATE_NAMES", "data", "kv", "logs", "state", "tune"]

@@ -15,6 +15,7 @@ from ray_lightning._ray.data import DATASET, EXCLUDE_RESOURCES, EXECUTION_OPTION
 from ray_lightning._ray.kv import INTERNAL_KV, RAY_KEY_NAMES
 from ray_lightning._ray.logs import DISPATCHER, WORKER
 from ray_lightning._ray.state import AUTOSCALER_PB2, GLOBAL_STATE, UP_NODE_STATUSES
+from ray_lightning._ray.tune import DIR_NAME, GET_SESSION, SESSION, STORAGE, STORAGE_CONTEXT
 from ray_lightning._torch.private import PrivateName
 
 _STREAMS = "global_worker_stdstream_dispatcher"
@@ -37,6 +38,8 @@ ON_MODULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     # A DeveloperAPI and a deprecated option, not private: listed so that a release without them is named.
     (DATASET, (f"Dataset.{META_COUNT}", f"Dataset.{REF_BUNDLES}")),
     (EXECUTION_OPTIONS, (f"ExecutionOptions.{EXCLUDE_RESOURCES}",)),
+    (SESSION, (GET_SESSION,)),  # its result's .storage is a trial's StorageContext (a DeveloperAPI)
+    (STORAGE, (f"{STORAGE_CONTEXT}.{DIR_NAME}",)),
     (AUTOSCALER_PB2, ("GetClusterStatusReply", *(f"NodeStatus.{status}" for status in UP_NODE_STATUSES))),
     # Where Ray names the keys kv.py uses (their values are checked too).
     *((module, (name,)) for module, name in sorted(set(RAY_KEY_NAMES.values()))),

@@ -177,21 +177,37 @@ class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
             send_object_to_driver(done, None)
 
         wall_started = time.time()
-        write = getattr(trainer.strategy, "checkpoint_to_storage", None)  # each rank its shard (sharded strategies)
-        (write or _upload_full_checkpoint)(trainer, folder, complete)
+        write_checkpoint(trainer, folder, storage.CHECKPOINT_FILE, complete)
         blocked = time.perf_counter() - started
         if rank_zero:
             log.debug("ray_lightning: recovery checkpoint into %s; training waited %.3f s", folder, blocked)
         self._random_states_due = True
 
 
-def _upload_full_checkpoint(trainer: pl.Trainer, folder: str, complete: Any) -> None:
+def write_checkpoint(trainer: pl.Trainer, folder: str, filename: str | None, complete: Any = None) -> str:
+    """In every rank: the Trainer's checkpoint into storage, written by the ranks in the background
+    (:func:`storage.uploads`); returns what ``ckpt_path`` resumes from. ``complete(that)`` runs in rank 0 once
+    every rank's part is written.
+
+    A sharded strategy's ranks each write their own shards into ``folder`` (torch's distributed checkpoint); the
+    others' rank 0 writes one file, ``folder/filename`` (``folder`` itself when ``filename`` is None). Growth
+    law: each rank writes and holds in memory at most its own part; nothing passes through another process.
+    """
+    write = getattr(trainer.strategy, "checkpoint_to_storage", None)  # each rank its shard (sharded strategies)
+    if write is not None:
+        write(trainer, folder, complete or (lambda _: None))
+        return folder
+    target = folder if filename is None else storage.join(folder, filename)
+    _upload_full_checkpoint(trainer, target, complete or (lambda _: None))
+    return target
+
+
+def _upload_full_checkpoint(trainer: pl.Trainer, target: str, complete: Any) -> None:
     """Rank 0 uploads the full checkpoint (every rank's state is the same; FSDP1's is gathered on rank 0 first)."""
     take = getattr(trainer.strategy, "full_checkpoint", None)
     checkpoint = take(trainer) if take is not None else _lightning.dump_checkpoint(trainer)
     if not trainer.is_global_zero:
         return
-    target = storage.join(folder, storage.CHECKPOINT_FILE)
 
     def start() -> Any:
         copy = storage.snapshot(checkpoint)  # taken before training goes on; serialized and written beside it

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -152,7 +152,17 @@ def apply_to_driver(
     before the launch). ``weight_chunks``: the chunks of trained weights the workers hold, as the
     launcher fetches them (:mod:`.weights`). Returns the paths of the files written.
     """
-    load_chunks(trainer.lightning_module, weight_chunks)
+    arrived = []
+
+    def counted() -> Iterator[Any]:
+        for chunk in weight_chunks:
+            arrived.append(True)
+            yield chunk
+
+    load_chunks(trainer.lightning_module, counted())
+    if output.fit_progress is not None and getattr(trainer.strategy, "_send_full_weights", True) is None:
+        # full_weights_home=None was decided in the workers, from the model's real size: this process learns it.
+        trainer.strategy._send_full_weights = bool(arrived)
     if output.trainer_state is not None:
         trainer.state = output.trainer_state
     for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):

@@ -65,6 +65,7 @@ from ray_lightning.launch.payload import (
     given_checkpoint,
     prepare_arguments,
     put_payload,
+    read_in_place,
 )
 from ray_lightning.launch.placement import OwnPlacement, TrialPlacement, reserve_elastic
 from ray_lightning.launch.protocol import LaunchedStrategy
@@ -113,6 +114,7 @@ class _Call:
     scope: files.WriteScope  # where the files rank 0 sends back may land
     seed_directories: list[str]  # where this call's own logs and checkpoints go
     run: storage.Run | None = None  # with storage_path: the run's folder, where the ranks write everything
+    checkpoint_in_place: bool = False  # every worker reads that file where it is (a Tune trial's, in Tune's storage)
     function_only: bool = False  # no Trainer: a function Fabric launched
     growth: Growth | None = None  # num_workers=(min, max): when it moves onto more workers
     keep_checkpoints: tuple[str, ...] = ()  # the ckpt_path given, which no rotation may remove
@@ -173,7 +175,8 @@ class RayLauncher(*_lightning.launcher_bases()):
         scope = files.WriteScope.of(trainer, loggers.output_directories(trainer) if trainer else ())
         given = given_checkpoint(function, args, kwargs)
         call = _Call(
-            checkpoint=checkpoint_argument(function, args, kwargs, trainer),
+            checkpoint=(checkpoint := checkpoint_argument(function, args, kwargs, trainer)),
+            checkpoint_in_place=read_in_place(trainer, checkpoint),
             seed_directories=_seed_directories(trainer),
             payload=put_payload(trainer, function, args, kwargs, None if trainer is not None else self._strategy),
             recovery=Recovery(workers.recovery, scope, self._strategy.restarts, run, elastic),
@@ -392,7 +395,11 @@ class RayLauncher(*_lightning.launcher_bases()):
             local=any(i.node_id == driver_node for i in infos),
             remote=any(i.node_id != driver_node for i in infos),
             # A recovery checkpoint in the run's folder, or any checkpoint in the storage path, is read there.
-            in_storage=call.run is not None and path is not None and (path != call.checkpoint or call.run.holds(path)),
+            in_storage=path is not None
+            and (
+                (path == call.checkpoint and call.checkpoint_in_place)
+                or (call.run is not None and (path != call.checkpoint or call.run.holds(path)))
+            ),
         )
         rank_zero_info = namespaces.of(self._strategy).pl("utilities.rank_zero.rank_zero_info")
         resources = self._strategy.workers.resources

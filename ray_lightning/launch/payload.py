@@ -64,6 +64,14 @@ def enter_driver_hooks(
     return args, kwargs
 
 
+def read_in_place(trainer: pl.Trainer | None, path: str | None) -> bool:
+    """Whether ``path`` is a checkpoint a driver hook named as one every worker reads where it is (a Tune trial's,
+    in Tune's storage, which Tune requires every node to reach): it is never sent through the object store."""
+    if trainer is None or path is None:
+        return False
+    return any(getattr(callback, "checkpoint_read_in_place", None) == path for callback in trainer.callbacks)
+
+
 def _names_a_checkpoint(path: str) -> bool:
     """Lightning's own ``ckpt_path`` names, resolved by the Trainer: best, last, hpc, registry[:...]."""
     lowered = path.lower()

@@ -164,7 +164,7 @@ class RayDeepSpeedStrategy(RayWorkersMixin, RankPartsMixin):
                 raise TypeError(
                     f"{type(callback).__name__} sends Tune one checkpoint file, but DeepSpeed writes a checkpoint "
                     "directory with a part from every rank. Use TuneReportCallback with a ModelCheckpoint, or "
-                    "RayFSDPStrategy, whose Tune checkpoints are gathered into one file."
+                    "RayFSDPStrategy, whose ranks write their Tune checkpoints into Tune's folder themselves."
                 )
         self.decide_full_weights(trainer)
 
@@ -201,9 +201,9 @@ class RayDeepSpeedStrategy(RayWorkersMixin, RankPartsMixin):
         """In every rank (collective under ZeRO stage 3): the full state dict on rank 0, None elsewhere."""
         import deepspeed
 
-        if not getattr(self, "_send_full_weights", True):
-            return None
         module = self.lightning_module
+        if not self._full_weights_go_home(module.parameters()):  # ZeRO 3's partitioned ones by their ds_shape
+            return None
         gathered = deepspeed.zero.GatheredParameters(
             list(module.parameters()), modifier_rank=None, enabled=self.zero_stage_3
         )

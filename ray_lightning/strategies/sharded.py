@@ -24,6 +24,7 @@ checkpoint gathered on rank 0 for restarts and Tune; ``RayFSDP1Strategy``).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import tempfile
@@ -90,13 +91,31 @@ class RankPartsMixin:
 
         module = trainer.lightning_module
         size = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
-        self._send_full_weights = size <= FULL_WEIGHTS_MEMORY_SHARE * psutil.virtual_memory().available
+        self._full_weights_budget = FULL_WEIGHTS_MEMORY_SHARE * psutil.virtual_memory().available
+        # A module whose layers configure_model makes is empty here: the workers decide from its real size.
+        self._send_full_weights = False if size > self._full_weights_budget else None
+        if self._send_full_weights is False:
+            self._warn_too_big(size)
+
+    def _warn_too_big(self, size: float) -> None:
+        self.warn(
+            f"The model ({size / 2**30:.1f} GiB) is too big to bring its trained weights into the driver's process "
+            "(full_weights_home=None: at most half its free memory): they stay in the checkpoints the workers "
+            "write (ModelCheckpoint). Pass full_weights_home=True to bring them anyway."
+        )
+
+    def _full_weights_go_home(self, tensors: Any, scale: int = 1) -> bool:
+        """In every rank (the same answer on each): whether the trained weights go to the driver. With
+        ``full_weights_home=None`` the model's whole size (its tensors' global shapes after ``configure_model``,
+        ``scale`` times for flat shards) against the driver's budget: no collective, every rank sees the same."""
+        send = getattr(self, "_send_full_weights", True)
+        if send is not None:
+            return send
+        size = scale * sum(math.prod(getattr(t, "ds_shape", t.shape)) * t.element_size() for t in tensors)
+        self._send_full_weights = size <= self._full_weights_budget
         if not self._send_full_weights:
-            self.warn(
-                f"The model ({size / 2**30:.1f} GiB) is too big to bring its trained weights into this process "
-                "(full_weights_home=None: at most half the free memory): they stay in the checkpoints the workers "
-                "write (ModelCheckpoint). Pass full_weights_home=True to bring them anyway."
-            )
+            self._warn_too_big(size)
+        return self._send_full_weights
 
     def _local_checkpoint_path(self, filepath: Any) -> Path:
         """Where this rank writes or removes its part of the checkpoint rank 0 names ``filepath``."""
@@ -156,7 +175,7 @@ class RankPartsMixin:
         """In every rank (collective): the full state dict on rank 0, None elsewhere or when it stays."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        if not getattr(self, "_send_full_weights", True):
+        if not self._full_weights_go_home(self.model.parameters(), scale=self.world_size):  # FSDP1's flat shards
             return None
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
@@ -194,10 +213,11 @@ class ShardedWorkersMixin(FullCheckpointsMixin):
         """
         from torch.distributed.tensor import DTensor
 
-        if not getattr(self, "_send_full_weights", True):
+        state = self.model.state_dict()
+        if not self._full_weights_go_home(state.values()):
             return None
         parts = []
-        for name, value in self.model.state_dict().items():
+        for name, value in state.items():
             if not isinstance(value, DTensor):
                 if self.global_rank == 0:
                     parts.append(WeightPart(name, value))

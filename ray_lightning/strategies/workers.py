@@ -385,14 +385,24 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
                 "ModelCheckpoint(save_last=True) and "
                 "trainer.checkpoint_callback.last_model_path."
             )
-        if getattr(self, "_send_full_weights", True) is False:
-            raise RuntimeError(
-                f"trainer.save_checkpoint({os.fspath(filepath)!r}) on the driver: the trained weights stayed in "
-                "the workers' checkpoints (full_weights_home), so this process holds the untrained ones. Use "
-                "the checkpoints ModelCheckpoint wrote, or pass full_weights_home=True."
-            )
+        self._refuse_if_weights_stayed(f"trainer.save_checkpoint({os.fspath(filepath)!r})")
         # The driver's module, whole: one file (a sharded strategy's own saving is collective, for its workers).
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _refuse_if_weights_stayed(self, what: str) -> None:
+        if getattr(self, "_send_full_weights", True) is False:
+            raise RuntimeError(
+                f"{what} on the driver: the trained weights stayed in the workers' checkpoints (full_weights_home), "
+                "so this process holds the untrained ones. Use the checkpoints ModelCheckpoint wrote, or pass "
+                "full_weights_home=True."
+            )
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._worker is None:
+            # Before the module's state is read (a sharded one's reading needs the workers' process group).
+            self._refuse_if_weights_stayed("Reading the module's state (trainer.save_checkpoint)")
+        return super().lightning_module_state_dict()
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
