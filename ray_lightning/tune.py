@@ -225,6 +225,7 @@ class TuneReportCallback(*namespaces.every("callbacks.Callback")):
     def around_driver_call(self, trainer: pl.Trainer) -> Iterator[str | None]:
         """On the driver, around each call (``ray_lightning.launch.payload.enter_driver_hooks``): when Tune stopped
         the trial during it, the trial's function ends after the call, as ``ray.tune.report`` would have ended it."""
+        _give_stopped_trials_time_to_end()
         yield None
         _end_if_tune_stopped()
 
@@ -306,6 +307,7 @@ class TuneReportCheckpointCallback(TuneReportCallback):
     @override
     def around_driver_call(self, trainer: pl.Trainer) -> Iterator[str | None]:
         """Also yields the file of the checkpoint Tune restored this trial with, in the trial's first fit."""
+        _give_stopped_trials_time_to_end()
         self._in_storage = _ranks_write_to_tune_storage()
         self.checkpoint_read_in_place = None
         fitting = trainer.state.fn == "fit"
@@ -467,6 +469,19 @@ def _restored_checkpoint() -> Any:
         # Outside a trial Tune warns and answers None: a fit outside Tune is not a misuse here.
         warnings.simplefilter("ignore")
         return tune.get_checkpoint()
+
+
+# How long Tune waits for a stopped trial's function to end before it reuses the trial's process for the next
+# trial (reuse_actors=True): Tune's default is 2 s, read when it reuses the process; a stopped trial here ends
+# fit at the report's step on every rank and brings the results home first, which takes longer under load (a
+# reuse that times out fails). Set in the trial's process unless the user set it.
+THREAD_TIMEOUT_ENV = "TUNE_FUNCTION_THREAD_TIMEOUT_S"
+STOPPED_TRIAL_END_S = 120
+
+
+def _give_stopped_trials_time_to_end() -> None:
+    if _ray.tune.in_trial():
+        os.environ.setdefault(THREAD_TIMEOUT_ENV, str(STOPPED_TRIAL_END_S))
 
 
 def _ranks_write_to_tune_storage() -> bool:

@@ -40,7 +40,11 @@ def test_ranks_data_and_checkpoints_across_nodes(two_node_cluster, tmp_path):
     )
     model = BoringModel()
     before = model.layer.weight.clone()
-    trainer.fit(model, datamodule=PrepareDataModule(marks))
+    with pytest.warns(UserWarning, match="no storage_path is set, so the ModelCheckpoint files come") as said:
+        trainer.fit(model, datamodule=PrepareDataModule(marks))
+    # Once, with what a checkpoint costs and what avoids it.
+    (warning,) = [w for w in said if "no storage_path is set" in str(w.message)]
+    assert "MiB of weights per checkpoint" in str(warning.message) and "storage_path='s3://" in str(warning.message)
 
     starts = read_records(tmp_path, "fit", "start")
     assert [s["global_rank"] for s in starts] == [0, 1, 2, 3]

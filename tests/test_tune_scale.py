@@ -245,7 +245,9 @@ def train_probe(config):
     callback = TuneReportCallback(on="train_batch_end", every=2)
     _trainer([callback], max_epochs=1).fit(model)
     torch.manual_seed(config["seed"])
-    tune.report({"driver_weight": float(Probe(config["seed"], started).layer.weight.sum())})
+    # How long Tune waits for a stopped trial's function before reusing its process: set for the user.
+    waits = float(os.environ.get("TUNE_FUNCTION_THREAD_TIMEOUT_S", 2))
+    tune.report({"driver_weight": float(Probe(config["seed"], started).layer.weight.sum()), "reuse_wait_s": waits})
 
 
 def test_trials_tune_reuses_start_on_the_same_workers_with_nothing_left_of_the_trial_before(tmp_path):
@@ -266,5 +268,6 @@ def test_trials_tune_reuses_start_on_the_same_workers_with_nothing_left_of_the_t
         assert report["leftover_env"].iloc[0] == 0.0
         assert report["unseeded_draw"].iloc[0] == reports[0]["unseeded_draw"].iloc[0], "random state carried over"
         assert report["weight_at_start"].iloc[0] == pytest.approx(frame["driver_weight"].dropna().iloc[0])
+    assert all(f["reuse_wait_s"].dropna().iloc[0] >= 60 for f in frames), "Tune's 2 s wait left as it was"
     timings = [round(r["start_to_first_batch_s"].iloc[0], 2) for r in reports]
     print(f"trial start to rank 0's first batch (s): {timings}")

@@ -36,6 +36,11 @@ def _storage() -> Any:
     return storage
 
 
+def in_trial() -> bool:
+    """Whether this process runs a Tune trial's function."""
+    return _storage() is not None
+
+
 def trial_storage_url() -> tuple[str | None, str]:
     """``(URL of this trial's folder in Tune's storage, why not)``: the URL is None outside a trial, or where the
     storage is one fsspec cannot be shown to reach (a custom filesystem, another scheme).

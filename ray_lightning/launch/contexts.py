@@ -144,3 +144,38 @@ def describe_placement(workers: str, ranks: Sequence[WorkerRank], infos: Sequenc
     )
     again = " (reusing the workers of the last call)" if reused else ""
     return f"ray_lightning: {workers} on {len({i.node_id for i in infos})} node(s){again}: {placed}"
+
+
+def checkpoints_come_home_warning(
+    trainer: Any, restarts: bool, infos: Sequence[NodeInfo], driver_node: str
+) -> str | None:
+    """The warning for a call on several machines without ``storage_path`` whose checkpoints come to the driver's
+    disk (recovery checkpoints, a checkpoint callback's files), with what each costs; None when nothing comes.
+
+    Said once per strategy at the first such call: the bytes per checkpoint grow with the model, and every one of
+    them crosses the network to this machine, which ``storage_path`` (a bucket, a shared directory) avoids.
+    """
+    off_machine = any(info.node_id != driver_node for info in infos)
+    saving = restarts or getattr(trainer, "checkpoint_callback", None) is not None
+    if trainer is None or not off_machine or not saving:
+        return None
+    module = trainer.lightning_module
+    size = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]) if module else 0
+    what = (
+        f"~{size / 2**20:.0f} MiB of weights per checkpoint plus the optimizer's state (Adam: twice that)"
+        if size
+        else "the model's weights and optimizer state per checkpoint (its layers are made in configure_model)"
+    )
+    sources = ", ".join(
+        s
+        for s in (
+            "recovery checkpoints (max_failures)" if restarts else "",
+            "ModelCheckpoint files" if getattr(trainer, "checkpoint_callback", None) is not None else "",
+        )
+        if s
+    )
+    return (
+        f"ray_lightning: the workers run on other machines and no storage_path is set, so the {sources} come to this "
+        f"machine's disk over the network: {what}. Pass storage_path='s3://bucket/runs' (or a directory every node "
+        "mounts) to the strategy: every rank then writes its own part there and nothing comes through this process."
+    )

@@ -50,6 +50,7 @@ from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.contexts import (
     CallSettings,
     build_contexts,
+    checkpoints_come_home_warning,
     describe_placement,
     node_staging_name,
     nodes_by_rank,
@@ -119,6 +120,7 @@ class _Call:
     growth: Growth | None = None  # num_workers=(min, max): when it moves onto more workers
     keep_checkpoints: tuple[str, ...] = ()  # the ckpt_path given, which no rotation may remove
     marks: dict[str, float] = field(default_factory=dict)  # the driver's start-up marks (time.time())
+    trainer: Any = None  # the driver's Trainer (None: a function Fabric launched)
 
 
 class RayLauncher(*_lightning.launcher_bases()):
@@ -186,6 +188,7 @@ class RayLauncher(*_lightning.launcher_bases()):
             function_only=trainer is None,
             growth=Growth(elastic, workers.resources, trainer.max_epochs, trainer.max_steps) if elastic else None,
             marks=marks,
+            trainer=trainer,
         )
         marks["payload put (driver)"] = time.time()
         if run is not None:
@@ -407,6 +410,12 @@ class RayLauncher(*_lightning.launcher_bases()):
             resources = resources.with_workers(len(group.ranks))  # an elastic fit's size now
         described = resources.describe()
         rank_zero_info(describe_placement(described, group.ranks, infos, group.calls > 0))
+        if call.run is None and not getattr(self._strategy, "_warned_checkpoints_home", False):
+            restarts = self._strategy.workers.recovery.enabled
+            warning = checkpoints_come_home_warning(call.trainer, restarts, infos, driver_node)
+            if warning is not None:
+                self._strategy._warned_checkpoints_home = True
+                namespaces.of(self._strategy).pl("utilities.rank_zero.rank_zero_warn")(warning)
         plan = call.recovery.plan(infos)
         if plan is not None and staging is not None and call.recovery.restarts:
             # A restarted rank 0 that stages starts from what this call wrote so far (logs it appends to).
