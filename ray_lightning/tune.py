@@ -47,6 +47,7 @@ from ray_lightning import _ray, namespaces, runtime
 from ray_lightning.channel.driver_channel import ask_driver
 from ray_lightning.config.resources import resolve_worker_resources
 from ray_lightning.home import storage
+from ray_lightning.home.optimizers import optimizer_settings
 from ray_lightning.home.recovery import write_checkpoint
 from ray_lightning.launch.placement import trial_bundles
 
@@ -529,20 +530,6 @@ def _checkpoint_file(directory: str) -> str | None:
         return None
     path = os.path.join(directory, filename)
     return path if os.path.isfile(path) else None
-
-
-def optimizer_settings(optimizers: Sequence[Any]) -> list[list[dict[str, Any]]]:
-    """Each optimizer's param groups' settings (everything but the parameters) that are plain values."""
-    return [
-        [{k: v for k, v in group.items() if k != "params" and _is_setting(v)} for group in optimizer.param_groups]
-        for optimizer in optimizers
-    ]
-
-
-def _is_setting(value: Any) -> bool:
-    if isinstance(value, (tuple, list)):
-        return all(_is_setting(v) for v in value)
-    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def keep_configured_settings(

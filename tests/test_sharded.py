@@ -6,12 +6,14 @@ sharded strategy's); DeepSpeed's CPU runs are in tests/test_deepspeed.py.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from ray_lightning import RayFSDP1Strategy, RayFSDPStrategy, RayModelParallelStrategy, RayStrategy
+from ray_lightning import RayFSDP1Strategy, RayFSDPStrategy, RayModelParallelStrategy, RayStrategy, release_idle_workers
 from ray_lightning.namespaces import GLOO_SHARDING_TORCH, version_tuple
 from tests.sharded_models import MLP, BlockModel, DenseBlockModel, ShardedMLP
 
@@ -100,6 +102,10 @@ def test_full_weights_home_none_decides_from_the_size_the_workers_built(monkeypa
     monkeypatch.setattr(psutil, "virtual_memory", lambda: available)
     _, trainer = _fit(RayModelParallelStrategy(num_workers=2), LateMLP, max_epochs=1)
     assert trainer.callback_metrics["val_loss"] > 0
+    # The driver holds no trained weights: the workers, while they wait, write them; once gone, it is refused.
+    trainer.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)
+    assert os.path.exists(tmp_path / "weights.ckpt")
+    release_idle_workers()
     with pytest.raises(RuntimeError, match="stayed in the workers' checkpoints"):
         trainer.save_checkpoint(tmp_path / "driver.ckpt", weights_only=True)
 

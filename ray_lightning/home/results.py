@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray_lightning import _lightning, namespaces
 from ray_lightning.home import files, loggers
+from ray_lightning.home.optimizers import apply_on_driver, settings_for_driver
 from ray_lightning.home.predictions import PredictionRecorder
 from ray_lightning.home.weights import WeightPart, load_chunks, pack_in_chunks, parts_of
 
@@ -52,6 +53,8 @@ class WorkerOutput:
     predictions: list[tuple[int, list[int], Any]] | None = None
     num_predict_dataloaders: int = 0
     return_predictions: bool = False
+    # Rank 0 after a fit: its optimizers' and schedulers' settings, no tensors (home.optimizers).
+    optimizer_settings: dict[str, Any] | None = None
 
 
 def collect_worker_output(
@@ -95,6 +98,7 @@ def collect_worker_output(
         predictions=predictions,
         num_predict_dataloaders=len(trainer.num_predict_batches) if predicting else 0,
         return_predictions=predicting and trainer.predict_loop.return_predictions,
+        optimizer_settings=settings_for_driver(trainer) if fitting else None,
     )
     for callback in trainer.callbacks:
         state = callback.state_dict()
@@ -163,6 +167,8 @@ def apply_to_driver(
     if output.fit_progress is not None and getattr(trainer.strategy, "_send_full_weights", True) is None:
         # full_weights_home=None was decided in the workers, from the model's real size: this process learns it.
         trainer.strategy._send_full_weights = bool(arrived)
+    if output.optimizer_settings is not None:
+        apply_on_driver(trainer, output.optimizer_settings)
     if output.trainer_state is not None:
         trainer.state = output.trainer_state
     for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):

@@ -23,6 +23,7 @@ import torch
 
 from ray_lightning import namespaces
 from ray_lightning.home.results import WorkerOutput
+from ray_lightning.launch import priority
 from ray_lightning.launch.call import WorkerCall, imported_code_files, mtime
 from ray_lightning.launch.rendezvous import Rendezvous, RendezvousPoint
 from ray_lightning.launch.stacks import enable_signal_dump
@@ -119,6 +120,18 @@ class RayWorker:
         """
         chunk, self._weights[index] = self._weights[index], []
         return chunk
+
+    def save_after_fit(self, filepath: str, weights_only: bool) -> None:
+        """``trainer.save_checkpoint(filepath)`` in the fit this worker ran last, which it still holds (every rank
+        takes part, as in the fit); raises when it holds none (its clean-up ran)."""
+        call = self._unfinished
+        if call is None or call.fitted is None:
+            raise RuntimeError("ray_lightning: this worker no longer holds the fit's Trainer.")
+        call.save_after_fit(filepath, weights_only)
+
+    def wait_idle(self) -> None:
+        """After a fit whose state this worker keeps (:meth:`save_after_fit`): it waits at Ray's niceness."""
+        priority.release()
 
     def finish_call(self) -> None:
         """After a call returned or failed: clean up for the next call.

@@ -52,6 +52,7 @@ class WorkerCall:
         self._strategy: Any = None
         self._saved_environment: dict[str, str] = {}
         self._watch: PreemptionWatch | None = None
+        self.fitted: pl.Trainer | None = None  # a fit's Trainer, after it succeeded, until finish()
 
     def run(self, payload: ray.ObjectRef) -> WorkerOutput | None:
         """Run the Trainer function the payload holds; returns what this rank sends home."""
@@ -136,7 +137,21 @@ class WorkerCall:
             output = collect_worker_output(trainer, results, recorder, staging)
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
+        if trainer.state.fn == namespaces.FITTING:
+            self.fitted = trainer
         return output
+
+    def save_after_fit(self, filepath: str, weights_only: bool) -> None:
+        """The driver's ``trainer.save_checkpoint`` after the fit, in this rank's Trainer of it (:mod:`.after_fit`)."""
+        trainer = self.fitted
+        assert trainer is not None
+        uses_storage = trainer.strategy.workers.storage.enabled
+        if uses_storage:
+            storage.reset_uploads()  # the fit's were closed when it returned
+        trainer.save_checkpoint(filepath, weights_only=weights_only)
+        if uses_storage:
+            storage.uploads().wait()
+            storage.uploads().close()
 
     def _run_function(self, strategy: Any, function: Callable, args: tuple, kwargs: dict) -> WorkerOutput | None:
         """A function without a Trainer (Fabric's ``launch``): run it with the strategy attached; rank 0 sends
@@ -180,6 +195,7 @@ class WorkerCall:
         restart runs the next call in this process)."""
         import torch
 
+        self.fitted = None
         if self._strategy is not None:
             self._strategy.detach_worker()
         # Rank 0's rendezvous stops listening now, not when the process ends (Horovod's server

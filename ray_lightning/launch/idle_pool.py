@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -41,13 +42,40 @@ _idle: tuple[tuple[WorkerResources, Any], WorkerGroup, threading.Timer] | None =
 def keep(request: WorkerResources, group: WorkerGroup, seconds: float, within: Any = None) -> None:
     """Keep ``group`` for the next call asking for ``request`` (inside placement group ``within``, if one);
     stop it after ``seconds`` unused."""
+    _keep((request, _group_id(within)), group, seconds)
+
+
+def _keep(kept_for: tuple[Any, Any], group: WorkerGroup, seconds: float) -> None:
     global _idle
     timer = threading.Timer(seconds, _expire, args=(group,))
     timer.daemon = True
+    timer.seconds = seconds  # type: ignore[attr-defined] - how long it waits again after a borrow
     with _lock:
-        replaced, _idle = _idle, ((request, _group_id(within)), group, timer)
+        replaced, _idle = _idle, (kept_for, group, timer)
     _stop(replaced)
     timer.start()
+
+
+@contextlib.contextmanager
+def borrowed(group: WorkerGroup) -> Iterator[bool]:
+    """``group`` out of the pool while the caller uses it (it cannot expire meanwhile), then back for the next call
+    with its full wait again; yields False when ``group`` no longer waits (taken, replaced or expired)."""
+    global _idle
+    with _lock:
+        waiting = _idle if _idle is not None and _idle[1] is group else None
+        if waiting is not None:
+            _idle = None
+    if waiting is None:
+        yield False
+        return
+    kept_for, _, timer = waiting
+    timer.cancel()
+    try:
+        yield True
+    except BaseException:
+        group.shutdown()  # a worker that failed may be in any state: no later call runs on it
+        raise
+    _keep(kept_for, group, timer.seconds)
 
 
 def take(request: WorkerResources, within: Any = None) -> WorkerGroup | None:

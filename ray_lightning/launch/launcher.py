@@ -43,10 +43,12 @@ from ray_lightning.config.elastic import ElasticSettings
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.errors import RayWorkerError, WorkerDiedError, WorkerHangError
 from ray_lightning.home import files, loggers, storage
+from ray_lightning.home.optimizers import left_on_driver
 from ray_lightning.home.predictions import merge_predictions
 from ray_lightning.home.results import WorkerOutput, apply_to_driver
 from ray_lightning.launch import idle_pool
 from ray_lightning.launch.actor import NodeInfo
+from ray_lightning.launch.after_fit import LastFit
 from ray_lightning.launch.contexts import (
     CallSettings,
     build_contexts,
@@ -135,6 +137,8 @@ class RayLauncher(*_lightning.launcher_bases()):
         self._running: WorkerGroup | None = None  # the group of the attempt under way, for kill()
         # Files the last launch copied from rank 0's node onto the driver's machine.
         self.transferred_files: list[str] = []
+        # The workers of the last call, when it was a fit they still hold (after_fit): trainer.save_checkpoint.
+        self.last_fit: LastFit | None = None
 
     def __reduce__(self) -> tuple:
         return type(self), (self._strategy,)
@@ -169,6 +173,7 @@ class RayLauncher(*_lightning.launcher_bases()):
         self, function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer | None, marks: dict[str, float]
     ) -> Any:
         # With storage_path: the run's folder, checked writable; the Trainer's directories are placed in it.
+        self.last_fit = None  # this call's workers clean up the last fit's state first
         workers, elastic = self._strategy.workers, self._elastic(trainer)
         run = storage.open_run(trainer, workers.storage, self._strategy.run_name_now)
         if trainer is not None:
@@ -176,11 +181,13 @@ class RayLauncher(*_lightning.launcher_bases()):
             loggers.prepare_on_driver(trainer)
         scope = files.WriteScope.of(trainer, loggers.output_directories(trainer) if trainer else ())
         given = given_checkpoint(function, args, kwargs)
+        with left_on_driver(trainer):
+            payload = put_payload(trainer, function, args, kwargs, None if trainer is not None else self._strategy)
         call = _Call(
             checkpoint=(checkpoint := checkpoint_argument(function, args, kwargs, trainer)),
             checkpoint_in_place=read_in_place(trainer, checkpoint),
             seed_directories=_seed_directories(trainer),
-            payload=put_payload(trainer, function, args, kwargs, None if trainer is not None else self._strategy),
+            payload=payload,
             recovery=Recovery(workers.recovery, scope, self._strategy.restarts, run, elastic),
             scope=scope,
             run=run,
@@ -205,6 +212,10 @@ class RayLauncher(*_lightning.launcher_bases()):
                 return self._bring_home(attempt, trainer, call)
             finally:
                 self._release(attempt.group)
+                if _keeps_fit(call):
+                    here = driver_node_id()
+                    on_driver_machine = all(info.node_id == here for info in attempt.nodes.values())
+                    self.last_fit = LastFit(attempt.group, on_driver_machine, call.run)
         finally:
             self._running = None
             call.recovery.close()
@@ -348,7 +359,9 @@ class RayLauncher(*_lightning.launcher_bases()):
             staging = _staging_area(nodes, settings) if call.run is None else None
             contexts = self._contexts(group, infos, staging, settings, call)
             watchdog = Watchdog([r.global_rank for r in group.ranks], infos, timeouts.progress_s, timeouts.start_s)
-            outputs = group.run(call.payload, contexts, channel, watchdog, stop=_stop_check(call, len(group.ranks)))
+            outputs = group.run(
+                call.payload, contexts, channel, watchdog, _stop_check(call, len(group.ranks)), _keeps_fit(call)
+            )
             channel.run_remaining()
             _wait_for_output(settings, [r.global_rank for r in group.ranks], _OUTPUT_WAIT_S)
             return Attempt(group, outputs, nodes, staging, watchdog=watchdog)
@@ -525,6 +538,14 @@ def _wait_for_output(settings: CallSettings, ranks: list[int], timeout_s: float)
     """Until what ``ranks`` printed during the call has been printed here (bounded; see channel.worker_output)."""
     if settings.output_marker is not None and ranks:
         output_sync.wait([settings.marker_of(r) for r in ranks], timeout_s)
+
+
+def _keeps_fit(call: _Call) -> bool:
+    """Whether the call's workers keep its Trainer after it (a fit whose workers wait for the next call): the
+    driver's ``trainer.save_checkpoint`` has them write it meanwhile (:mod:`.after_fit`)."""
+    trainer = call.trainer
+    keep_s = trainer.strategy.workers.timeouts.keep_alive_s if trainer is not None else 0
+    return trainer is not None and trainer.state.fn == namespaces.FITTING and keep_s > 0
 
 
 def _take_last_checkpoint(channel: Any) -> None:

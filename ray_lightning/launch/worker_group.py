@@ -174,8 +174,12 @@ class WorkerGroup:
         channel: DriverChannel | None = None,
         watchdog: Watchdog | None = None,
         stop: Callable[[], RayWorkerError | None] | None = None,
+        keep_state: bool = False,
     ) -> list[WorkerOutput | None]:
         """Run the call on every worker; their outputs in actor order, or the first failure raised.
+
+        ``keep_state``: the workers keep the call's Trainer and process group until their next call (a fit's: the
+        driver may have them save its checkpoint meanwhile, :mod:`.after_fit`) instead of cleaning up now.
 
         ``watchdog`` gets the ranks' progress reports from ``channel`` and stops a call whose rank is stuck;
         ``stop`` may end it after any message of the channel (:func:`~.poll.wait_for_outputs`).
@@ -188,7 +192,9 @@ class WorkerGroup:
         outputs = wait_for_outputs(refs, [c.rank.global_rank for c in contexts], self.infos, channel, watchdog, stop)
         self._running = []
         for actor in self.actors:
-            actor.finish_call.remote()  # clean up for the next call while the driver goes on
+            # Clean up for the next call while the driver goes on; or, keeping the call's state, only wait at Ray's
+            # niceness (the clean-up then runs when the next call starts).
+            (actor.wait_idle if keep_state else actor.finish_call).remote()
         return outputs
 
     def shutdown(self) -> None:

@@ -375,12 +375,18 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
                 if clock is not None:
                     clock.checkpoint_done()  # the time it blocked the training thread (channel.timings)
             return
-        # On the driver, after a fit.
-        if "optimizer_states" in checkpoint:
+        # On the driver, after a fit: its workers, while they still hold it, write what a one-process fit would.
+        full = "optimizer_states" in checkpoint
+        weights_stayed = getattr(self, "_send_full_weights", True) is False
+        last_fit = getattr(getattr(self, "_launcher", None), "last_fit", None)
+        if (full or weights_stayed) and last_fit is not None and last_fit.save(filepath, weights_only=not full):
+            return
+        if full:
             raise RuntimeError(
                 f"trainer.save_checkpoint({os.fspath(filepath)!r}) on the driver would write a checkpoint without the "
-                "optimizers' and schedulers' states: they live in the Ray workers, so a fit resumed from it would "
-                "start a fresh optimizer. Write the weights alone with "
+                "optimizers' and schedulers' states: they lived in the Ray workers of the fit, which are gone "
+                "(they stay keep_workers_alive_s seconds after a fit, 60 by default, and until the next call; "
+                "within that time they write it). Write the weights alone with "
                 "trainer.save_checkpoint(path, weights_only=True), or resume from a checkpoint the workers wrote: "
                 "ModelCheckpoint(save_last=True) and "
                 "trainer.checkpoint_callback.last_model_path."
@@ -398,10 +404,18 @@ class RayWorkersMixin(LightningStrategyHooks, namespaces.PerNamespace):
             )
 
     @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self._worker is None:
+            # The driver's optimizers are settings after a fit (home.optimizers); the state stayed in the workers.
+            return optimizer.state_dict()
+        return super().optimizer_state(optimizer)
+
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._worker is None:
-            # Before the module's state is read (a sharded one's reading needs the workers' process group).
-            self._refuse_if_weights_stayed("Reading the module's state (trainer.save_checkpoint)")
+            # The driver's module holds plain tensors (a sharded strategy's reading would need the workers'
+            # process group); trainer.save_checkpoint after a fit has the workers write theirs (save_checkpoint).
+            return self.lightning_module.state_dict()
         return super().lightning_module_state_dict()
 
     @override
