@@ -43,9 +43,10 @@ def train(config: dict) -> None:
 
     import ray_lightning.tune as rl_tune
     from ray_lightning import RayFSDPStrategy
+    from ray_lightning.tune import trial
 
     if config["mode"] == "through_trial":
-        rl_tune._ranks_write_to_tune_storage = lambda: False  # the path taken where fsspec cannot reach the storage
+        trial.ranks_write_to_tune_storage = lambda: False  # the path taken where fsspec cannot reach the storage
     dim, peaks = config["dim"], config["peaks"]
 
     class Wide(pl.LightningModule):

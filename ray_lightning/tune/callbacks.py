@@ -1,79 +1,30 @@
-"""Ray Tune glue: every trial a multi-worker training, its metrics and checkpoints reported to Tune.
-
-Example::
-
-    from ray import tune
-    from ray_lightning import RayStrategy
-    from ray_lightning.tune import TuneReportCallback, get_tune_resources
-
-    def train_fn(config):
-        trainer = pl.Trainer(max_epochs=4, strategy=RayStrategy(num_workers=2),
-                             callbacks=[TuneReportCallback({"loss": "val_loss"}, on="validation_end")])
-        trainer.fit(MyModule(lr=config["lr"]))
-
-    analysis = tune.run(train_fn, config={"lr": tune.loguniform(1e-4, 1e-1)}, num_samples=4,
-                        metric="loss", mode="min", resources_per_trial=get_tune_resources(num_workers=2))
-
-How it works: the trial's function runs in the trial's own process, which becomes the driver of
-the workers; :func:`get_tune_resources` reserves the trial's process and its workers as one
-placement group, and the launcher starts the workers in that group's bundles. The callbacks run
-on rank 0, where the metrics are, and send them with :func:`ray_lightning.channel.driver_channel.ask_driver`
-to the trial's process, the only place ``ray.tune.report`` works; its answer (did Tune stop the
-trial?) reaches every rank, which then end ``fit`` together. Checkpoints travel as bytes through
-Ray's object store, so they reach Tune's storage from any node, shared filesystem or not. A trial
-Tune restores resumes inside ``fit`` (:class:`TuneReportCheckpointCallback`), and its workers stay
-for the next trial Tune runs in the same process (``reuse_actors=True``).
-"""
+"""The callbacks a trial's Trainer reports to Tune with: metrics (:class:`TuneReportCallback`) and checkpoints
+(:class:`TuneReportCheckpointCallback`). They run in the ranks; rank 0 sends each report to the trial's process
+(:mod:`.trial`), and a checkpoint is written by the ranks into Tune's own folder."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import io
-import json
 import os
 import tempfile
-import threading
-import warnings
-import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from ray.tune import PlacementGroupFactory
 from typing_extensions import override
 
-from ray_lightning import _ray, namespaces, runtime
+from ray_lightning import namespaces, runtime
 from ray_lightning.channel.driver_channel import ask_driver
-from ray_lightning.config.resources import resolve_worker_resources
 from ray_lightning.home import storage
 from ray_lightning.home.optimizers import optimizer_settings
 from ray_lightning.home.recovery import write_checkpoint
-from ray_lightning.launch.placement import trial_bundles
+from ray_lightning.tune import trial
+from ray_lightning.tune.settings import SETTINGS_KEY, keep_configured_settings
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
-
-
-def get_tune_resources(
-    num_workers: int = 1,
-    num_cpus_per_worker: float = 1,
-    use_gpu: bool = False,
-    resources_per_worker: Mapping[str, float] | None = None,
-) -> PlacementGroupFactory:
-    """What a trial that trains on ``num_workers`` Ray workers must reserve.
-
-    Returns a :class:`~ray.tune.PlacementGroupFactory` with one bundle for the trial's own process
-    (1 CPU) and one per worker, exactly what ``RayStrategy``/``HorovodRayStrategy`` with the same
-    arguments start inside the trial. Pass it as ``tune.run(..., resources_per_trial=...)`` or
-    ``tune.with_resources(train_fn, ...)``.
-
-    Example::
-
-        tune.run(train_fn, resources_per_trial=get_tune_resources(num_workers=4, use_gpu=True))
-    """
-    request = resolve_worker_resources(num_workers, num_cpus_per_worker, use_gpu, resources_per_worker)
-    return PlacementGroupFactory(trial_bundles(request), strategy="PACK")
 
 
 def _callback_hooks() -> list[str]:
@@ -194,7 +145,7 @@ class TuneReportCallback(*namespaces.every("callbacks.Callback")):
         return True
 
     def _collect(self, trainer: pl.Trainer) -> dict[str, Any]:
-        logged = {name: _plain(value) for name, value in trainer.callback_metrics.items()}
+        logged = {name: plain(value) for name, value in trainer.callback_metrics.items()}
         if self._metrics is None:
             return logged
         missing = sorted(source for source in self._metrics.values() if source not in logged)
@@ -213,9 +164,9 @@ class TuneReportCallback(*namespaces.every("callbacks.Callback")):
         if runtime.current_context() is None:
             # A Trainer in the trial's own process: Tune's stop ends the function right here, as Tune does.
             if trainer.is_global_zero:
-                report_to_tune(metrics, checkpoint)
+                trial.report_to_tune(metrics, checkpoint)
             return
-        stopped = ask_driver(report_to_tune, metrics, checkpoint, True) if trainer.is_global_zero else False
+        stopped = ask_driver(trial.report_to_tune, metrics, checkpoint, True) if trainer.is_global_zero else False
         if trainer.world_size > 1:
             stopped = trainer.strategy.broadcast(stopped, src=0)
         if stopped:
@@ -226,9 +177,9 @@ class TuneReportCallback(*namespaces.every("callbacks.Callback")):
     def around_driver_call(self, trainer: pl.Trainer) -> Iterator[str | None]:
         """On the driver, around each call (``ray_lightning.launch.payload.enter_driver_hooks``): when Tune stopped
         the trial during it, the trial's function ends after the call, as ``ray.tune.report`` would have ended it."""
-        _give_stopped_trials_time_to_end()
+        trial.give_stopped_trials_time_to_end()
         yield None
-        _end_if_tune_stopped()
+        trial.end_if_tune_stopped()
 
 
 class TuneReportCheckpointCallback(TuneReportCallback):
@@ -286,8 +237,10 @@ class TuneReportCheckpointCallback(TuneReportCallback):
     ) -> None:
         if not isinstance(filename, str) or not filename or os.path.isabs(filename) or ".." in filename.split("/"):
             raise ValueError(f"filename must be a relative file name such as 'checkpoint', got {filename!r}.")
-        if filename == MARKER_FILE:
-            raise ValueError(f"filename {MARKER_FILE!r} is the name ray_lightning gives its own note; choose another.")
+        if filename == trial.MARKER_FILE:
+            raise ValueError(
+                f"filename {trial.MARKER_FILE!r} is the name ray_lightning gives its own note; choose another."
+            )
         super().__init__(metrics, on, every)
         self._filename = filename
         self._resume = bool(resume)
@@ -308,30 +261,30 @@ class TuneReportCheckpointCallback(TuneReportCallback):
     @override
     def around_driver_call(self, trainer: pl.Trainer) -> Iterator[str | None]:
         """Also yields the file of the checkpoint Tune restored this trial with, in the trial's first fit."""
-        _give_stopped_trials_time_to_end()
-        self._in_storage = _ranks_write_to_tune_storage()
+        trial.give_stopped_trials_time_to_end()
+        self._in_storage = trial.ranks_write_to_tune_storage()
         self.checkpoint_read_in_place = None
         fitting = trainer.state.fn == "fit"
-        checkpoint = _restored_checkpoint() if fitting and self._resume and _first_fit_of_trial() else None
+        checkpoint = trial.restored_checkpoint() if fitting and self._resume and trial.first_fit_of_trial() else None
         if checkpoint is None:
             yield None
-            _end_if_tune_stopped()
+            trial.end_if_tune_stopped()
             return
-        location = _checkpoint_in_storage(checkpoint)
+        location = trial.checkpoint_in_storage(checkpoint)
         if location is not None:
             say = namespaces.of(trainer).pl("utilities.rank_zero.rank_zero_info")
             say(f"ray_lightning.tune: this trial resumes from the checkpoint Tune restored it with, {location}")
             self.checkpoint_read_in_place = location
             yield location
-            _end_if_tune_stopped()
+            trial.end_if_tune_stopped()
             return
         with checkpoint.as_directory() as directory:
-            path = _checkpoint_file(directory)
+            path = trial.checkpoint_file(directory)
             if path is not None:
                 say = namespaces.of(trainer).pl("utilities.rank_zero.rank_zero_info")
                 say(f"ray_lightning.tune: this trial resumes from the checkpoint Tune restored it with, {path}")
             yield path
-        _end_if_tune_stopped()
+        trial.end_if_tune_stopped()
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -393,7 +346,7 @@ class TuneReportCheckpointCallback(TuneReportCallback):
         path; each rank writes its own part of the checkpoint (rank 0 the whole of a full one); the trial's
         process handles a few hundred bytes, whatever the model's size.
         """
-        folder = ask_driver(_next_checkpoint_folder) if trainer.is_global_zero else None
+        folder = ask_driver(trial.next_checkpoint_folder) if trainer.is_global_zero else None
         if trainer.world_size > 1:
             folder = trainer.strategy.broadcast(folder, src=0)
         write_checkpoint(trainer, storage.join(folder, self._filename), None)
@@ -401,221 +354,7 @@ class TuneReportCheckpointCallback(TuneReportCallback):
         self._send(trainer, metrics, (self._filename, None))
 
 
-def report(fabric: Any, metrics: Mapping[str, Any], checkpoint_path: str | None = None) -> bool:
-    """Report to Ray Tune from inside ``fabric.launch(train)`` in a trial; every rank calls it at the same point.
-
-    Rank 0's ``metrics`` (and the checkpoint file it wrote at ``checkpoint_path``, e.g. with ``fabric.save``)
-    go to the trial's process, which reports them to Tune; each call is one ``training_iteration``.
-
-    Args:
-        fabric: the ``Fabric`` object the launched function was given.
-        metrics: plain numbers (tensors of one element are converted) by name.
-        checkpoint_path: a file rank 0 can read (a full, not a sharded, checkpoint), reported with the metrics;
-            it reaches Tune's storage from any node. Tune's ``get_checkpoint()`` in the trial's function then
-            holds it under its own name.
-
-    Returns:
-        True on every rank when Tune has stopped the trial (a scheduler's decision): leave the training loop.
-
-    Example::
-
-        def train(fabric, config):
-            ...
-            for epoch in range(10):
-                ...
-                fabric.save("last.ckpt", {"model": model, "optimizer": optimizer})
-                if ray_lightning.tune.report(fabric, {"loss": loss.item()}, checkpoint_path="last.ckpt"):
-                    break
-
-        def trial(config):
-            L.Fabric(strategy=RayStrategy(num_workers=2)).launch(train, config)
-    """
-    stopped = False
-    if fabric.global_rank == 0:
-        plain = {name: _plain(value) for name, value in metrics.items()}
-        checkpoint = None
-        if checkpoint_path is not None:
-            if not os.path.isfile(checkpoint_path):
-                raise FileNotFoundError(f"checkpoint_path={checkpoint_path!r} is not a file rank 0 can read.")
-            with open(checkpoint_path, "rb") as f:
-                checkpoint = (os.path.basename(checkpoint_path), f.read())
-        stopped = ask_driver(report_to_tune, plain, checkpoint, runtime.current_context() is not None)
-    if fabric.world_size > 1:
-        stopped = fabric.broadcast(stopped, src=0)
-    return bool(stopped)
-
-
-# The note beside the checkpoint file in each directory reported to Tune: which file it is.
-MARKER_FILE = ".ray_lightning_tune.json"
-# Where a checkpoint keeps the optimizer settings configure_optimizers made in the fit that wrote it.
-SETTINGS_KEY = "ray_lightning_tune_optimizer_settings"
-
-# The Tune function runs (each a thread of the trial's process) whose first fit has started: only that fit
-# resumes by itself; a later fit of the same run is the user's next step, not a restore.
-_fitted_runs: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
-
-
-def _first_fit_of_trial() -> bool:
-    run = threading.current_thread()
-    first = run not in _fitted_runs
-    _fitted_runs.add(run)
-    return first
-
-
-def _restored_checkpoint() -> Any:
-    """The checkpoint this Tune trial was started from, or None (also outside Tune)."""
-    from ray import tune
-
-    with warnings.catch_warnings():
-        # Outside a trial Tune warns and answers None: a fit outside Tune is not a misuse here.
-        warnings.simplefilter("ignore")
-        return tune.get_checkpoint()
-
-
-# How long Tune waits for a stopped trial's function to end before it reuses the trial's process for the next
-# trial (reuse_actors=True): Tune's default is 2 s, read when it reuses the process; a stopped trial here ends
-# fit at the report's step on every rank and brings the results home first, which takes longer under load (a
-# reuse that times out fails). Set in the trial's process unless the user set it.
-THREAD_TIMEOUT_ENV = "TUNE_FUNCTION_THREAD_TIMEOUT_S"
-STOPPED_TRIAL_END_S = 120
-
-
-def _give_stopped_trials_time_to_end() -> None:
-    if _ray.tune.in_trial():
-        os.environ.setdefault(THREAD_TIMEOUT_ENV, str(STOPPED_TRIAL_END_S))
-
-
-def _ranks_write_to_tune_storage() -> bool:
-    """On the trial's process: whether the ranks can write this trial's checkpoints into Tune's storage."""
-    url, why = _ray.tune.trial_storage_url()
-    if url is None and why != "not in a Tune trial":
-        warnings.warn(
-            f"ray_lightning.tune: the trial's checkpoints go through the trial's process as bytes: {why}. "
-            "Give Tune a storage_path that fsspec reaches (a directory every node mounts, s3://, gs://).",
-            stacklevel=3,
-        )
-    return url is not None
-
-
-def _next_checkpoint_folder() -> str:
-    """On the trial's process, asked by rank 0: the folder Tune keeps the next reported checkpoint in, emptied of
-    what an earlier attempt may have left there."""
-    folder = _ray.tune.next_checkpoint_url()
-    storage.remove(folder)
-    return folder
-
-
-def _checkpoint_in_storage(checkpoint: Any) -> str | None:
-    """The file (or sharded checkpoint's folder) of a Tune checkpoint this module reported, where every worker reads
-    it in place; None when it is not one, or is not reachable so (then it is read through the trial's process)."""
-    folder = _ray.tune.checkpoint_url(checkpoint)
-    if folder is None:
-        return None
-    try:
-        fs, path = storage.filesystem(storage.join(folder, MARKER_FILE))
-        filename = json.loads(fs.cat_file(path))["filename"]
-        location = storage.join(folder, filename)
-        found_fs, found = storage.filesystem(location)
-        return location if found_fs.exists(found) else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _checkpoint_file(directory: str) -> str | None:
-    """The checkpoint file in a directory this module reported to Tune, or None for anyone else's."""
-    try:
-        with open(os.path.join(directory, MARKER_FILE)) as f:
-            filename = json.load(f)["filename"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    path = os.path.join(directory, filename)
-    return path if os.path.isfile(path) else None
-
-
-def keep_configured_settings(
-    trainer: pl.Trainer, configured: list[list[dict[str, Any]]], restored: list[list[dict[str, Any]]]
-) -> list[str]:
-    """After Lightning loaded the optimizers' states: each setting this fit configured otherwise than the fit
-    that wrote the checkpoint takes this fit's value again. Returns what was kept, for the log."""
-    kept = []
-    schedulers = [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", [])]
-    for index, (optimizer, mine, theirs) in enumerate(zip(trainer.optimizers, configured, restored)):
-        for group_index, (group, own, other) in enumerate(zip(optimizer.param_groups, mine, theirs)):
-            changed = {k: v for k, v in own.items() if k in other and other[k] != v and k in group}
-            for key, value in changed.items():
-                if key == "lr" and isinstance(group[key], float) and other[key]:
-                    # A schedule's progress since the start stays: the new rate scaled as the old one was.
-                    group[key] = value * group[key] / other[key]
-                    _rebase_schedulers(schedulers, optimizer, group_index, value)
-                else:
-                    group[key] = value
-                kept.append(f"optimizer {index} group {group_index} {key}={group[key]!r} (checkpoint: {other[key]!r})")
-    return kept
-
-
-def _rebase_schedulers(schedulers: list[Any], optimizer: Any, group_index: int, lr: float) -> None:
-    """Schedulers compute from their base rates, which loading restored to the checkpoint's."""
-    for scheduler in schedulers:
-        if getattr(scheduler, "optimizer", None) is optimizer and hasattr(scheduler, "base_lrs"):
-            scheduler.base_lrs[group_index] = lr
-
-
-# The Tune function runs that Tune stopped during a ray_lightning call: they end when the call returns.
-_stopped_runs: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
-
-
-def _end_if_tune_stopped() -> None:
-    run = threading.current_thread()
-    if run in _stopped_runs:
-        _stopped_runs.discard(run)
-        raise SystemExit(0)
-
-
-def report_to_tune(
-    metrics: dict[str, Any], checkpoint: tuple[str, bytes | None] | None, until_stopped: bool = False
-) -> bool:
-    """Runs in the trial's process: ``ray.tune.report``, with the checkpoint file written to a directory (its
-    bytes None: the ranks wrote it into the folder Tune persists this checkpoint in, and Tune gets the note).
-
-    Tune stops a trial (a scheduler's decision, the end of the search) by ending its function inside
-    ``report``. With ``until_stopped`` that end waits: this returns True, the workers end ``fit`` at the
-    report's step, and the function ends after the call (:func:`_end_if_tune_stopped`). Returns False
-    while the trial goes on.
-    """
-    run = threading.current_thread()
-    if run in _stopped_runs:
-        return True  # a rank reporting again before fit ended (min_epochs): Tune has ended the trial
-    try:
-        _report(metrics, checkpoint)
-    except SystemExit:
-        if not until_stopped:
-            raise
-        _stopped_runs.add(run)
-        return True
-    return False
-
-
-def _report(metrics: dict[str, Any], checkpoint: tuple[str, bytes | None] | None) -> None:
-    from ray import tune
-
-    if checkpoint is None:
-        tune.report(metrics)
-        return
-    filename, data = checkpoint
-    with tempfile.TemporaryDirectory(prefix="ray_lightning-tune-") as directory:
-        if data is not None:
-            path = os.path.join(directory, filename)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as f:
-                f.write(data)
-        with open(os.path.join(directory, MARKER_FILE), "w") as f:
-            json.dump({"filename": filename}, f)
-        # Tune copies the directory into the trial's storage before report returns (only the files it holds:
-        # a checkpoint the ranks wrote into that folder stays beside them).
-        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(directory))
-
-
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
         return value.item()
     return value
