@@ -204,6 +204,25 @@ def test_a_sharded_trial_checkpoint_is_written_by_every_rank_into_tunes_folder_a
     assert second.read_text().split() == ["3"]  # the resumed fit trained only the fourth epoch
 
 
+def test_the_trial_process_checks_it_sees_what_the_ranks_wrote(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from ray_lightning.tune.trial import sees
+
+    # What a rank on a machine that does not share Tune's local storage_path leaves: nothing, or part of it.
+    full = tmp_path / "model.ckpt"
+    assert not sees(str(full), sharded=False)
+    torch.save({"state_dict": {}}, full)
+    assert sees(str(full), sharded=False)
+    folder = tmp_path / "sharded.ckpt"
+    dcp.save({"state_dict": {"w": torch.ones(4)}}, checkpoint_id=str(folder))
+    assert sees(str(folder), sharded=True)
+    (shard,) = [p for p in folder.iterdir() if p.suffix == ".distcp"]
+    shard.unlink()
+    assert not sees(str(folder), sharded=True)
+    assert not sees(str(tmp_path / "missing"), sharded=True)
+
+
 def train_fail_once_then_resume(config):
     marker = config["dir"] + "/failed-once"
     epochs = config["dir"] + "/epochs"

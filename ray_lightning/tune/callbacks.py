@@ -313,9 +313,12 @@ class TuneReportCheckpointCallback(TuneReportCallback):
 
     def _report(self, trainer: pl.Trainer) -> None:
         metrics = self._collect(trainer) if trainer.is_global_zero else {}
-        if self._in_storage:
-            self._report_written_in_place(trainer, metrics)
+        if self._in_storage and self._report_written_in_place(trainer, metrics):
             return
+        self._report_through_trial(trainer, metrics)
+
+    def _report_through_trial(self, trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
+        """The checkpoint as bytes through the trial's process (where the ranks cannot write to Tune's storage)."""
         gather = getattr(trainer.strategy, "full_checkpoint", None)
         if gather is not None:
             # A sharded strategy's own checkpoint may be a directory of every rank's shards (on several
@@ -339,19 +342,42 @@ class TuneReportCheckpointCallback(TuneReportCallback):
                     data = f.read()
             self._send(trainer, metrics, (self._filename, data) if data is not None else None)
 
-    def _report_written_in_place(self, trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
+    def _report_written_in_place(self, trainer: pl.Trainer, metrics: dict[str, Any]) -> bool:
         """Every rank writes its part into the folder Tune persists the next checkpoint in; Tune gets a note.
 
-        Growth law: per report, one small request from rank 0 to the trial's process and one broadcast of a
-        path; each rank writes its own part of the checkpoint (rank 0 the whole of a full one); the trial's
+        False (nothing reported) when the trial's process does not see what the ranks wrote: a local storage path
+        that is not shared with the ranks' machines. Then this and later reports go through the trial's process.
+
+        Growth law: per report, two small requests from rank 0 to the trial's process and two broadcasts of a few
+        bytes; each rank writes its own part of the checkpoint (rank 0 the whole of a full one); the trial's
         process handles a few hundred bytes, whatever the model's size.
         """
-        folder = ask_driver(trial.next_checkpoint_folder) if trainer.is_global_zero else None
+        rank_zero = trainer.is_global_zero
+        folder = ask_driver(trial.next_checkpoint_folder) if rank_zero else None
         if trainer.world_size > 1:
             folder = trainer.strategy.broadcast(folder, src=0)
-        write_checkpoint(trainer, storage.join(folder, self._filename), None)
+        location = write_checkpoint(trainer, storage.join(folder, self._filename), None)
         storage.uploads().wait()  # every rank's part is written (rank 0's also waits for the others' shards)
+        seen = ask_driver(trial.sees, location, _sharded(trainer)) if rank_zero else False
+        if trainer.world_size > 1:
+            seen = trainer.strategy.broadcast(seen, src=0)
+        if not seen:
+            self._in_storage = False
+            if rank_zero:
+                namespaces.of(trainer).pl("utilities.rank_zero.rank_zero_warn")(
+                    f"ray_lightning.tune: the trial's process does not see the checkpoint the ranks wrote to "
+                    f"{location} (Tune's storage_path is a local directory their machines do not share): this trial's "
+                    "checkpoints go through the trial's process as bytes. Use a bucket or a directory every node "
+                    "mounts."
+                )
+            return False
         self._send(trainer, metrics, (self._filename, None))
+        return True
+
+
+def _sharded(trainer: pl.Trainer) -> bool:
+    """Whether the strategy's ranks each write their own shards (torch's distributed checkpoint)."""
+    return getattr(trainer.strategy, "checkpoint_to_storage", None) is not None
 
 
 def plain(value: Any) -> Any:

@@ -13,6 +13,7 @@ import weakref
 from typing import Any
 
 from ray_lightning import _ray
+from ray_lightning.config.storage import is_local
 from ray_lightning.home import storage
 
 # The note beside the checkpoint file in each directory reported to Tune: which file it is.
@@ -71,6 +72,24 @@ def next_checkpoint_folder() -> str:
     folder = _ray.tune.next_checkpoint_url()
     storage.remove(folder)
     return folder
+
+
+def sees(location: str, sharded: bool) -> bool:
+    """On the trial's process, asked by rank 0: whether the checkpoint the ranks wrote is there as this process
+    sees Tune's storage: the file, or every file a sharded checkpoint's metadata names (each rank's shards)."""
+    fs, path = storage.filesystem(location)
+    fs.invalidate_cache()  # an object store's listing is cached: the ranks wrote since
+    if not sharded:
+        return fs.isfile(path)
+    if not is_local(location):
+        return fs.isdir(path)  # a bucket every rank wrote to: the one place, seen alike from everywhere
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        named = {item.relative_path for item in FileSystemReader(location).read_metadata().storage_data.values()}
+    except (OSError, ValueError, RuntimeError):
+        return False  # no metadata: rank 0 wrote elsewhere
+    return all(os.path.exists(os.path.join(location, name)) for name in named)
 
 
 def checkpoint_in_storage(checkpoint: Any) -> str | None:
