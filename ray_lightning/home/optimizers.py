@@ -14,6 +14,7 @@ Growth law: per optimizer, its param groups' settings (bytes, not the model's si
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from ray_lightning import namespaces
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
+log = logging.getLogger(__name__)
 _CONFIG_FIELDS = ("name", "interval", "frequency", "reduce_on_plateau", "monitor", "strict")
 
 
@@ -42,8 +44,17 @@ def is_plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
-def settings_for_driver(trainer: pl.Trainer) -> dict[str, Any]:
-    """In rank 0 after a fit: its optimizers' and schedulers' settings (plain values only)."""
+def settings_for_driver(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """In rank 0 after a fit: its optimizers' and schedulers' settings (plain values only); None where they cannot
+    be read (an engine's own optimizer without param groups): a convenience never fails the fit."""
+    try:
+        return _settings(trainer)
+    except Exception as error:  # noqa: BLE001 - the driver then keeps no settings, as before
+        log.debug("ray_lightning: the optimizers' settings stay in the workers: %s", error)
+        return None
+
+
+def _settings(trainer: pl.Trainer) -> dict[str, Any]:
     optimizers = list(trainer.optimizers)
     schedulers = []
     for config in getattr(trainer, "lr_scheduler_configs", []):
@@ -61,7 +72,11 @@ def settings_for_driver(trainer: pl.Trainer) -> dict[str, Any]:
         )
     return {
         "optimizers": [
-            {"class": type(optimizer).__name__, "groups": groups, "defaults": _plain_dict(optimizer.defaults)}
+            {
+                "class": type(optimizer).__name__,
+                "groups": groups,
+                "defaults": _plain_dict(getattr(optimizer, "defaults", {})),
+            }
             for optimizer, groups in zip(optimizers, optimizer_settings(optimizers))
         ],
         "schedulers": schedulers,
