@@ -48,6 +48,13 @@ class WeightPart:
         return target[tuple(slice(start, stop) for start, stop in self.index)]
 
 
+def module_bytes(module: torch.nn.Module | None) -> int:
+    """The bytes of a module's parameters and buffers as this process holds them (0 for none)."""
+    if module is None:
+        return 0
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
 def parts_of(state_dict: dict[str, Any]) -> list[WeightPart]:
     """A full state dict (rank 0's) as parts."""
     return [WeightPart(name, value) for name, value in state_dict.items()]

@@ -15,6 +15,7 @@ from typing import Any
 from ray_lightning.config.variables import NOT_FORWARDED_ENV
 from ray_lightning.environment import WorkerRank, assign_cuda_devices, shares_a_gpu
 from ray_lightning.home.files import StagingArea
+from ray_lightning.home.weights import module_bytes
 from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.rendezvous import RendezvousPoint
 from ray_lightning.launch.session import driver_niceness, driver_sys_path
@@ -155,27 +156,21 @@ def checkpoints_come_home_warning(
     Said once per strategy at the first such call: the bytes per checkpoint grow with the model, and every one of
     them crosses the network to this machine, which ``storage_path`` (a bucket, a shared directory) avoids.
     """
-    off_machine = any(info.node_id != driver_node for info in infos)
-    saving = restarts or getattr(trainer, "checkpoint_callback", None) is not None
-    if trainer is None or not off_machine or not saving:
+    sources = [
+        *(["recovery checkpoints (max_failures)"] if restarts else []),
+        *(["ModelCheckpoint files"] if getattr(trainer, "checkpoint_callback", None) is not None else []),
+    ]
+    if trainer is None or not sources or all(info.node_id == driver_node for info in infos):
         return None
-    module = trainer.lightning_module
-    size = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]) if module else 0
+    size = module_bytes(trainer.lightning_module)
     what = (
         f"~{size / 2**20:.0f} MiB of weights per checkpoint plus the optimizer's state (Adam: twice that)"
         if size
         else "the model's weights and optimizer state per checkpoint (its layers are made in configure_model)"
     )
-    sources = ", ".join(
-        s
-        for s in (
-            "recovery checkpoints (max_failures)" if restarts else "",
-            "ModelCheckpoint files" if getattr(trainer, "checkpoint_callback", None) is not None else "",
-        )
-        if s
-    )
     return (
-        f"ray_lightning: the workers run on other machines and no storage_path is set, so the {sources} come to this "
-        f"machine's disk over the network: {what}. Pass storage_path='s3://bucket/runs' (or a directory every node "
+        f"ray_lightning: the workers run on other machines and no storage_path is set, so the {', '.join(sources)} "
+        f"come to this machine's disk over the network: {what}. Pass storage_path='s3://bucket/runs' (or a directory "
+        "every node "
         "mounts) to the strategy: every rank then writes its own part there and nothing comes through this process."
     )

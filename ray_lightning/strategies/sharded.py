@@ -40,7 +40,7 @@ from ray_lightning import _lightning, namespaces
 from ray_lightning.config.storage import is_local
 from ray_lightning.home import storage
 from ray_lightning.home.files import local_path
-from ray_lightning.home.weights import WeightPart
+from ray_lightning.home.weights import WeightPart, module_bytes
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -89,8 +89,7 @@ class RankPartsMixin:
             return
         import psutil
 
-        module = trainer.lightning_module
-        size = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+        size = module_bytes(trainer.lightning_module)
         self._full_weights_budget = FULL_WEIGHTS_MEMORY_SHARE * psutil.virtual_memory().available
         # A module whose layers configure_model makes is empty here: the workers decide from its real size.
         self._send_full_weights = False if size > self._full_weights_budget else None
