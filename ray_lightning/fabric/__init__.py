@@ -15,6 +15,7 @@ Example::
     result = fabric.launch(train, 0.1)  # runs on 4 Ray actors; rank 0's return value
 
 * :mod:`.strategies`: the Fabric forms of the Trainer strategies, and the conversion Fabric's connector calls.
+* :mod:`.workers`: ``RayFabricWorkers``, what the Fabric forms share (the paths ``fabric.save`` uses in a worker).
 * :mod:`.launcher`: ``RayFabricLauncher``, the Trainer's launcher called without a Trainer.
 
 Importing ``ray_lightning`` installs the conversion and Fabric's registry names (:func:`install`).
@@ -27,10 +28,10 @@ from ray_lightning.fabric.strategies import (
     RayFabricDeepSpeedStrategy,
     RayFabricFSDPStrategy,
     RayFabricModelParallelStrategy,
-    RayFabricWorkers,
     for_fabric,
     register,
 )
+from ray_lightning.fabric.workers import RayFabricWorkers
 
 
 def install() -> None:
