@@ -9,7 +9,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from ray_lightning import ClusterResourceError, HorovodRayAccelerator, HorovodRayStrategy, RayAccelerator, RayStrategy
 from ray_lightning.config.resources import resolve_worker_resources
-from ray_lightning.launch.placement import check_cluster_can_hold
+from ray_lightning.launch.capacity import check_cluster_can_hold
 from tests.conftest import alive_worker_actors
 from tests.models import BoringModel
 

@@ -21,7 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray_lightning import ClusterResourceError, RayStrategy
 from ray_lightning.config.resources import resolve_worker_resources
 from ray_lightning.config.variables import SCALE_UP_TIMEOUT_ENV
-from ray_lightning.launch import placement
+from ray_lightning.launch import placement, placement_wait
 from ray_lightning.launch.autoscaler import Autoscaler, find_autoscaler
 from ray_lightning.launch.placement import OwnPlacement
 from tests.autoscaling_cluster import AutoscalingCluster
@@ -139,7 +139,9 @@ def test_what_no_node_type_holds_fails_at_once(autoscaling_cluster):
 def test_unknown_node_types_wait_for_what_the_autoscaler_says(autoscaling_cluster, driver_log, monkeypatch):
     """Where the node types cannot be read (KubeRay's autoscaler runs in a container of its own), a
     request only the autoscaler might hold is waited for; v2 says at once that no type can hold it."""
-    monkeypatch.setattr(placement, "find_autoscaler", lambda: Autoscaler(autoscaling_cluster.version, None))
+    unknown_types = lambda: Autoscaler(autoscaling_cluster.version, None)  # noqa: E731
+    monkeypatch.setattr(placement, "find_autoscaler", unknown_types)
+    monkeypatch.setattr(placement_wait, "find_autoscaler", unknown_types)
     request = resolve_worker_resources(1, 1, False, {"CPU": 1, "nosuch": 1})
     bound = 120 if autoscaling_cluster.v2 else 6
     started = time.monotonic()

@@ -23,7 +23,7 @@ from ray_lightning.launch.autoscaler import (
     report_from_v2_reply,
     same_gcs,
 )
-from ray_lightning.launch.placement import check_cluster_can_hold
+from ray_lightning.launch.capacity import check_cluster_can_hold
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCEL = NodeType("accel_node", {"CPU": 1, "accel": 1, "object_store_memory": 1e8}, max_workers=2)

@@ -8,7 +8,8 @@ import pytest
 
 from ray_lightning.config.resources import WorkerResources
 from ray_lightning.launch import placement
-from ray_lightning.launch.placement import free_room, most_placed, reserve_elastic
+from ray_lightning.launch import probes as probes_module
+from ray_lightning.launch.probes import free_room, most_placed, reserve_elastic
 
 
 @pytest.mark.parametrize("low, high", [(0, 1), (1, 2), (2, 3), (1, 8), (0, 13), (64, 512)])
@@ -37,6 +38,7 @@ def test_an_elastic_start_on_a_busy_cluster_probes_a_few_sizes_and_takes_the_mos
         probes.append(len(bundles))
         return placement_group(bundles, strategy=strategy)
 
+    monkeypatch.setattr(probes_module, "placement_group", counted)
     monkeypatch.setattr(placement, "placement_group", counted)
     request = WorkerResources(num_workers=16, cpus=1, gpus=0, custom={"custom_accel": 1})
     try:

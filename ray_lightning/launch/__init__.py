@@ -4,8 +4,9 @@ Where things are:
 
 * :mod:`.launcher`: ``RayLauncher``, what Lightning calls instead of re-running ``sys.argv``: the
   steps of a launch, and ``kill``.
-* :mod:`.placement`: can the cluster ever hold the request; the placement group (own or a Tune
-  trial's), waited for while the autoscaler adds nodes.
+* :mod:`.placement`: the placement group (own or a Tune trial's); :mod:`.capacity`: can the cluster ever
+  hold the request; :mod:`.placement_wait`: the wait for it, while the autoscaler adds nodes;
+  :mod:`.probes`: an elastic fit's size, probed with placement groups of a few sizes.
 * :mod:`.autoscaler`: what the cluster's autoscaler can add, and what it reports while a request waits for it.
 * :mod:`.recovery`: restarts inside a call (``max_failures``): the driver's newest recovery
   checkpoint, which failures a restart follows; :mod:`.preemption`: a worker about to go away

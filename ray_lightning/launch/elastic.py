@@ -1,10 +1,10 @@
 """Where an elastic fit (``num_workers=(min, max)``) decides to grow: the driver's side of a resize.
 
-A fit starts on as many workers as the cluster places at once (:func:`~.placement.reserve_elastic`, called by
+A fit starts on as many workers as the cluster places at once (:func:`~.probes.reserve_elastic`, called by
 the launcher's ``_acquire_group``); after a lost node its restart does the same, so it goes on with fewer
 instead of waiting for a replacement. :class:`Growth` is the other way: whenever rank 0's recovery checkpoint
 of an epoch's end has arrived and the last check is ``grow_check_interval_s`` old, it asks the cluster whether
-more workers fit now (:func:`~.placement.free_room`); if so the attempt ends with
+more workers fit now (:func:`~.probes.free_room`); if so the attempt ends with
 :class:`~ray_lightning.errors.WorkersGrowError` and the fit restarts from that checkpoint on more workers
 (:mod:`.failures` restarts it without counting it against ``max_failures``). Not after the last epoch's
 checkpoint: nothing would be left to train.
@@ -27,7 +27,7 @@ from ray_lightning.config.resources import WorkerResources
 from ray_lightning.errors import WorkersGrowError
 from ray_lightning.home.recovery import EPOCH
 from ray_lightning.launch.autoscaler import find_autoscaler
-from ray_lightning.launch.placement import free_room
+from ray_lightning.launch.probes import free_room
 
 log = logging.getLogger(__name__)
 

@@ -70,7 +70,8 @@ from ray_lightning.launch.payload import (
     put_payload,
     read_in_place,
 )
-from ray_lightning.launch.placement import OwnPlacement, TrialPlacement, reserve_elastic
+from ray_lightning.launch.placement import OwnPlacement, TrialPlacement
+from ray_lightning.launch.probes import reserve_elastic
 from ray_lightning.launch.protocol import LaunchedStrategy
 from ray_lightning.launch.recovery import Recovery
 from ray_lightning.launch.session import alive_node_ids, driver_node_id, ensure_ray_initialized
@@ -309,7 +310,7 @@ class RayLauncher(*_lightning.launcher_bases()):
 
     def _acquire_group(self, call: _Call) -> WorkerGroup:
         """The workers for this call: the last call's idle workers, a Tune trial's bundles, or new ones (an elastic
-        fit's: as many as the cluster places now, :func:`~.placement.reserve_elastic`)."""
+        fit's: as many as the cluster places now, :func:`~.probes.reserve_elastic`)."""
         workers = self._strategy.workers
         request, timeouts = workers.resources, workers.timeouts
         enclosing = get_current_placement_group()
