@@ -93,7 +93,7 @@ class RayFSDPStrategy(RayWorkersMixin, ShardedWorkersMixin):
         activation_checkpointing_policy: layer classes (a set) or a function whose activations are recomputed.
         state_dict_type: ``"full"`` (default): one checkpoint file written by rank 0; ``"sharded"``: a directory.
         full_weights_home, process_group_backend, timeout: as for ``RayModelParallelStrategy``.
-        placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s, progress_timeout_s,
+        placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s, progress_timeout_s: as for ``RayStrategy``.
         scale_up_timeout_s, max_failures, recovery_checkpoint_every_n_steps: as for ``RayStrategy``.
         **fsdp_kwargs: passed to every ``fully_shard`` call (e.g. ``reshard_after_forward``).
 

@@ -51,7 +51,7 @@ class RayFSDP1Strategy(RayWorkersMixin, FullCheckpointsMixin):
         use_gpu: must hold (default ``True``): FSDP1 needs a GPU per worker.
         full_weights_home: bring the trained weights into the driver's module after ``fit`` (gathered on
             rank 0). None (default): when the model takes at most half the driver's free memory.
-        placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s, progress_timeout_s,
+        placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s, progress_timeout_s: as for ``RayStrategy``.
         scale_up_timeout_s, max_failures, recovery_checkpoint_every_n_steps: as for ``RayStrategy``.
         **fsdp_kwargs: Lightning's ``FSDPStrategy`` arguments (``auto_wrap_policy``, ``sharding_strategy``,
             ``cpu_offload``, ``mixed_precision``, ``activation_checkpointing_policy``, ``state_dict_type``,

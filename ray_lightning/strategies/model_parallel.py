@@ -81,7 +81,7 @@ class RayModelParallelStrategy(RayWorkersMixin, ShardedWorkersMixin):
         parallelize_fn: for Lightning Fabric (``Fabric(strategy=RayModelParallelStrategy(...))``): the function
             ``(module, device_mesh) -> module`` that ``fabric.setup`` shards the model with, as for Fabric's
             ``ModelParallelStrategy``. A Trainer shards in the module's ``configure_model`` instead.
-        placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s, progress_timeout_s,
+        placement_timeout_s, worker_start_timeout_s, keep_workers_alive_s, progress_timeout_s: as for ``RayStrategy``.
         scale_up_timeout_s, max_failures, recovery_checkpoint_every_n_steps: as for ``RayStrategy``.
 
     Example::
