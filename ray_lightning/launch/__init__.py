@@ -3,7 +3,8 @@
 Where things are:
 
 * :mod:`.launcher`: ``RayLauncher``, what Lightning calls instead of re-running ``sys.argv``: the
-  steps of a launch, and ``kill``.
+  steps of a launch, and ``kill``; :mod:`.call_record`: what a call keeps across its attempts;
+  :mod:`.bring_home`: its results, files and weights onto the driver; :mod:`.runs`: a run in storage.
 * :mod:`.placement`: the placement group (own or a Tune trial's); :mod:`.capacity`: can the cluster ever
   hold the request; :mod:`.placement_wait`: the wait for it, while the autoscaler adds nodes;
   :mod:`.probes`: an elastic fit's size, probed with placement groups of a few sizes.

@@ -13,11 +13,11 @@ For every ``fit``/``validate``/``test``/``predict`` it
    the rendezvous the strategy asks for, gives each worker its rank, device and environment
    (:mod:`.contexts`), and waits for all of them without polling, meanwhile running what rank 0 sends
    to the driver (the progress bar, Tune reports) (:mod:`.poll`). An attempt returns one
-   :class:`Attempt`: its outputs, or the :class:`~.failures.Failure` that ended it,
+   :class:`~.call_record.Attempt`: its outputs, or the :class:`~.failures.Failure` that ended it,
 5. after a failure, :func:`~.failures.decide` says whether the workers start again (``max_failures``),
    from rank 0's newest recovery checkpoint (:mod:`.recovery`), or the failure is raised,
 6. copies rank 0's results and files onto the driver's Trainer (:mod:`ray_lightning.home`), and the
-   weights the workers still hold, asking for them a chunk at a time (:func:`weight_chunks`),
+   weights the workers still hold, asking for them a chunk at a time (:func:`~.bring_home.weight_chunks`),
 7. leaves the workers waiting for the next call (``keep_workers_alive_s``), or stops them.
 """
 
@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -44,22 +42,30 @@ from ray_lightning.environment import RayEnvironment
 from ray_lightning.errors import RayWorkerError, WorkerDiedError, WorkerHangError
 from ray_lightning.home import files, loggers, storage
 from ray_lightning.home.optimizers import left_on_driver
-from ray_lightning.home.predictions import merge_predictions
-from ray_lightning.home.results import WorkerOutput, apply_to_driver
 from ray_lightning.launch import idle_pool
 from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.after_fit import LastFit
+from ray_lightning.launch.bring_home import BringsHome
+from ray_lightning.launch.call_record import (
+    Attempt,
+    DriverCall,
+    keeps_fit,
+    ranks_stage,
+    seed_directories,
+    staging_area,
+    stop_check,
+    wait_for_output,
+)
 from ray_lightning.launch.contexts import (
     CallSettings,
     build_contexts,
     checkpoints_come_home_warning,
     describe_placement,
-    node_staging_name,
     nodes_by_rank,
     progress_interval,
 )
 from ray_lightning.launch.elastic import Growth
-from ray_lightning.launch.failures import Decision, Failure, classify, decide
+from ray_lightning.launch.failures import Decision, classify, decide
 from ray_lightning.launch.payload import (
     check_checkpoint_exists,
     checkpoint_argument,
@@ -74,6 +80,7 @@ from ray_lightning.launch.placement import OwnPlacement, TrialPlacement
 from ray_lightning.launch.probes import reserve_elastic
 from ray_lightning.launch.protocol import LaunchedStrategy
 from ray_lightning.launch.recovery import Recovery
+from ray_lightning.launch.runs import announce_run
 from ray_lightning.launch.session import alive_node_ids, driver_node_id, ensure_ray_initialized
 from ray_lightning.launch.watchdog import Watchdog
 from ray_lightning.launch.worker_group import WorkerGroup
@@ -92,45 +99,11 @@ _FAILED_OUTPUT_WAIT_S = 3.0
 SALVAGE_WAIT_S = 5.0
 
 
-@dataclass(frozen=True)
-class Attempt:
-    """One run of a call on one worker group: its outputs (actor order), or the failure that ended it.
-
-    ``nodes``: where each global rank ran; ``staging``: where rank 0 wrote its files, when it ran off
-    the driver's machine.
-    """
-
-    group: WorkerGroup
-    outputs: list[WorkerOutput | None] | None = None
-    nodes: Mapping[int, NodeInfo] = field(default_factory=dict)
-    staging: files.StagingArea | None = None
-    failure: Failure | None = None
-    watchdog: Watchdog | None = None  # what the ranks reported: their step times and start-up
-
-
-@dataclass
-class _Call:
-    """What one ``fit``/``test``/... keeps on the driver across its attempts (never sent to the workers)."""
-
-    payload: ray.ObjectRef
-    checkpoint: str | None  # the ckpt_path file on this machine, if any
-    recovery: Recovery
-    scope: files.WriteScope  # where the files rank 0 sends back may land
-    seed_directories: list[str]  # where this call's own logs and checkpoints go
-    run: storage.Run | None = None  # with storage_path: the run's folder, where the ranks write everything
-    checkpoint_in_place: bool = False  # every worker reads that file where it is (a Tune trial's, in Tune's storage)
-    function_only: bool = False  # no Trainer: a function Fabric launched
-    growth: Growth | None = None  # num_workers=(min, max): when it moves onto more workers
-    keep_checkpoints: tuple[str, ...] = ()  # the ckpt_path given, which no rotation may remove
-    marks: dict[str, float] = field(default_factory=dict)  # the driver's start-up marks (time.time())
-    trainer: Any = None  # the driver's Trainer (None: a function Fabric launched)
-
-
-class RayLauncher(*_lightning.launcher_bases()):
+class RayLauncher(BringsHome, *_lightning.launcher_bases()):
     """Runs a Trainer function on Ray actors; see the module docstring for the steps.
 
     Only the strategy travels with it to the workers (:meth:`__reduce__`): what a call keeps on the
-    driver lives in the call (``_Call``, :class:`Attempt`), never on the launcher.
+    driver lives in the call (:mod:`.call_record`), never on the launcher.
     """
 
     def __init__(self, strategy: LaunchedStrategy) -> None:
@@ -184,10 +157,10 @@ class RayLauncher(*_lightning.launcher_bases()):
         given = given_checkpoint(function, args, kwargs)
         with left_on_driver(trainer):
             payload = put_payload(trainer, function, args, kwargs, None if trainer is not None else self._strategy)
-        call = _Call(
+        call = DriverCall(
             checkpoint=(checkpoint := checkpoint_argument(function, args, kwargs, trainer)),
             checkpoint_in_place=read_in_place(trainer, checkpoint),
-            seed_directories=_seed_directories(trainer),
+            seed_directories=seed_directories(trainer),
             payload=payload,
             recovery=Recovery(workers.recovery, scope, self._strategy.restarts, run, elastic),
             scope=scope,
@@ -200,7 +173,7 @@ class RayLauncher(*_lightning.launcher_bases()):
         )
         marks["payload put (driver)"] = time.time()
         if run is not None:
-            self._announce_run(call, trainer, given)
+            announce_run(self._strategy, call, trainer, given)
         self.transferred_files = []
         try:
             attempt = self._attempts(call)
@@ -213,7 +186,7 @@ class RayLauncher(*_lightning.launcher_bases()):
                 return self._bring_home(attempt, trainer, call)
             finally:
                 self._release(attempt.group)
-                if _keeps_fit(call):
+                if keeps_fit(call):
                     here = driver_node_id()
                     on_driver_machine = all(info.node_id == here for info in attempt.nodes.values())
                     self.last_fit = LastFit(attempt.group, on_driver_machine, call.run)
@@ -223,7 +196,7 @@ class RayLauncher(*_lightning.launcher_bases()):
             if call.growth is not None:
                 call.growth.close()
 
-    def _publish_times(self, attempt: Attempt, call: _Call) -> None:
+    def _publish_times(self, attempt: Attempt, call: DriverCall) -> None:
         """The call's step times and start-up on the strategy (``timings``, ``startup``); the times' table, once."""
         strategy = self._strategy
         if attempt.watchdog is None or not hasattr(strategy, "timings"):
@@ -242,31 +215,7 @@ class RayLauncher(*_lightning.launcher_bases()):
         fitting = trainer is not None and trainer.state.fn == namespaces.FITTING
         return elastic if fitting and get_current_placement_group() is None else None
 
-    def _announce_run(self, call: _Call, trainer: pl.Trainer | None, given: Any) -> None:
-        """Say where the run's files go; a fit that names no checkpoint, in the first call of a run in this process,
-        resumes from the newest complete one in the run's folder (its earlier driver died), and says so."""
-        run = call.run
-        assert run is not None
-        say = namespaces.of(self._strategy).pl("utilities.rank_zero.rank_zero_info")
-        if run.url not in _RUNS_SAID:
-            _RUNS_SAID.add(run.url)
-            say(f"ray_lightning: run {run.name!r} keeps its checkpoints and logs in {run.url}")
-        if trainer is None or trainer.state.fn != namespaces.FITTING or run.url in _RUNS_FITTED:
-            return
-        _RUNS_FITTED.add(run.url)
-        if given is not None:
-            return
-        entry = storage.newest_complete(run)
-        if entry is None:
-            return
-        call.recovery.resume_from_storage(entry)
-        header = entry.header
-        say(
-            f"ray_lightning: resuming run {run.name!r} from its newest complete checkpoint in storage, "
-            f"{entry.folder} (epoch {header['epoch']}, step {header['global_step']})"
-        )
-
-    def _attempts(self, call: _Call) -> Attempt:
+    def _attempts(self, call: DriverCall) -> Attempt:
         """Attempts of the call until one succeeds, or a failure no restart follows is raised."""
         group = self._acquire_group(call)
         call.marks.setdefault("workers placed (driver)", time.time())
@@ -279,7 +228,7 @@ class RayLauncher(*_lightning.launcher_bases()):
             decision = decide(attempt.failure, call.recovery.failures_restarted, call.recovery.settings.max_failures)
             group = self._after_failure(attempt, decision, call)
 
-    def _after_failure(self, attempt: Attempt, decision: Decision, call: _Call) -> WorkerGroup:
+    def _after_failure(self, attempt: Attempt, decision: Decision, call: DriverCall) -> WorkerGroup:
         """Raise the failure, or return the group the next attempt runs on."""
         failure = attempt.failure
         assert failure is not None
@@ -308,7 +257,7 @@ class RayLauncher(*_lightning.launcher_bases()):
         if self._running is not None:
             self._running.shutdown()
 
-    def _acquire_group(self, call: _Call) -> WorkerGroup:
+    def _acquire_group(self, call: DriverCall) -> WorkerGroup:
         """The workers for this call: the last call's idle workers, a Tune trial's bundles, or new ones (an elastic
         fit's: as many as the cluster places now, :func:`~.probes.reserve_elastic`)."""
         workers = self._strategy.workers
@@ -334,7 +283,7 @@ class RayLauncher(*_lightning.launcher_bases()):
             group = WorkerGroup.start(placement, request)
         return group
 
-    def _attempt(self, group: WorkerGroup, call: _Call) -> Attempt:
+    def _attempt(self, group: WorkerGroup, call: DriverCall) -> Attempt:
         """Run the call once on ``group``; a failure is returned, not raised (Ctrl-C stops the group and is raised)."""
         timeouts = self._strategy.workers.timeouts
         self._running = group
@@ -349,7 +298,7 @@ class RayLauncher(*_lightning.launcher_bases()):
                 progress_interval(timeouts.start_s, timeouts.progress_s),
                 output_sync.new_marker(),
                 # Every rank of a sharded strategy writes its part of each checkpoint (into storage: in place).
-                files.new_staging_name() if _ranks_stage(self._strategy, call) else None,
+                files.new_staging_name() if ranks_stage(self._strategy, call) else None,
                 call.keep_checkpoints,
                 call.run is not None,
                 node_staging=call.function_only,
@@ -357,14 +306,14 @@ class RayLauncher(*_lightning.launcher_bases()):
             infos = group.node_infos(timeouts.start_s)
             call.marks.setdefault("workers up, their imports done (driver)", time.time())
             nodes = {r.global_rank: info for r, info in zip(group.ranks, infos)}
-            staging = _staging_area(nodes, settings) if call.run is None else None
+            staging = staging_area(nodes, settings) if call.run is None else None
             contexts = self._contexts(group, infos, staging, settings, call)
             watchdog = Watchdog([r.global_rank for r in group.ranks], infos, timeouts.progress_s, timeouts.start_s)
             outputs = group.run(
-                call.payload, contexts, channel, watchdog, _stop_check(call, len(group.ranks)), _keeps_fit(call)
+                call.payload, contexts, channel, watchdog, stop_check(call, len(group.ranks)), keeps_fit(call)
             )
             channel.run_remaining()
-            _wait_for_output(settings, [r.global_rank for r in group.ranks], _OUTPUT_WAIT_S)
+            wait_for_output(settings, [r.global_rank for r in group.ranks], _OUTPUT_WAIT_S)
             return Attempt(group, outputs, nodes, staging, watchdog=watchdog)
         except Exception as error:  # noqa: BLE001 - every failure becomes the attempt's record, decided on next
             if isinstance(error, RayWorkerError) and channel is not None:
@@ -375,13 +324,15 @@ class RayLauncher(*_lightning.launcher_bases()):
             group.shutdown()
             raise
 
-    def _after_worker_error(self, error: RayWorkerError, channel: Any, settings: CallSettings, call: _Call) -> None:
+    def _after_worker_error(
+        self, error: RayWorkerError, channel: Any, settings: CallSettings, call: DriverCall
+    ) -> None:
         """What arrives after a worker failed: a recovery checkpoint rank 0 sent, the failed rank's output."""
         if call.recovery.enabled:
             _take_last_checkpoint(channel)
         if not isinstance(error, (WorkerHangError, WorkerDiedError)):
             # A stuck rank writes no marker, nor does a dead one.
-            _wait_for_output(settings, [error.rank], _FAILED_OUTPUT_WAIT_S)
+            wait_for_output(settings, [error.rank], _FAILED_OUTPUT_WAIT_S)
 
     def _release(self, group: WorkerGroup) -> None:
         """After a call that succeeded: leave the workers for the next call, or stop them."""
@@ -400,7 +351,7 @@ class RayLauncher(*_lightning.launcher_bases()):
         infos: list[NodeInfo],
         staging: files.StagingArea | None,
         settings: CallSettings,
-        call: _Call,
+        call: DriverCall,
     ) -> list[Any]:
         """Each worker's rank, device and rendezvous, from where the actors landed."""
         timeout_s = self._strategy.workers.timeouts.start_s
@@ -436,118 +387,6 @@ class RayLauncher(*_lightning.launcher_bases()):
             plan = replace(plan, seed=ray.put(call.recovery.seed_files(call.seed_directories)))
         return build_contexts(group.ranks, infos, point, driver_node, staging, shipped, settings, plan)
 
-    def _bring_home(self, attempt: Attempt, trainer: pl.Trainer | None, call: _Call) -> Any:
-        outputs = attempt.outputs or []
-        rank_zero = next(o for o in outputs if o is not None and o.global_rank == 0)
-        if trainer is None:
-            return self._function_home(outputs, rank_zero, call.scope)
-        written = apply_to_driver(trainer, rank_zero, call.scope, weight_chunks(attempt.group.actors, outputs))
-        for output in outputs:
-            if output is not None and output is not rank_zero and output.files:
-                # Other ranks' parts of sharded checkpoints, beside rank 0's.
-                written += files.write(output.files, call.scope.with_checkpoints(rank_zero.callback_states))
-        synced = call.recovery.synced
-        if rank_zero.staged:
-            # What rank 0 mirrored here during the call and no longer had at its end, it removed.
-            files.remove(synced - set(rank_zero.files), call.scope)
-        transferred = (set(self.transferred_files) | synced | set(written)) - {""}
-        self.transferred_files = sorted(p for p in transferred if os.path.isfile(p))
-        if self.transferred_files:
-            log.info("ray_lightning: copied %s from rank 0's node to this machine", ", ".join(self.transferred_files))
-        if trainer.state.fn == namespaces.PREDICTING:
-            if not rank_zero.return_predictions:
-                return None
-            per_rank = [o.predictions or [] for o in outputs if o is not None]
-            return merge_predictions(per_rank, rank_zero.num_predict_dataloaders)
-        return rank_zero.results
-
-    def _function_home(self, outputs: list[WorkerOutput | None], rank_zero: WorkerOutput, scope: Any) -> Any:
-        """A function without a Trainer (Fabric's): the files ranks off this machine wrote, at the paths they
-        gave (``fabric.save``, the loggers' directories: the only writes that stage), and rank 0's return value."""
-        sent = {path: data for o in outputs if o is not None for path, data in o.files.items()}
-        self.transferred_files = files.write(sent, scope)
-        if self.transferred_files:
-            copied = ", ".join(self.transferred_files)
-            log.info("ray_lightning: copied %s from the workers' nodes to this machine", copied)
-        return rank_zero.results
-
-    def _fetch_staged_files(self, area: files.StagingArea, call: _Call) -> None:
-        """After a failure: copy what rank 0 had written on its node (checkpoints, logs) to the driver."""
-        try:
-            written = files.fetch_after_failure(area, self._strategy.workers.timeouts.start_s, call.scope)
-        except Exception as error:  # noqa: BLE001 - the node may be gone; the failure itself is what matters
-            log.warning("ray_lightning: could not fetch the files rank 0 wrote before the failure: %s", error)
-            return
-        call.recovery.mirror(written)
-        self.transferred_files = sorted(set(self.transferred_files) | set(written))
-        if written:
-            log.warning("ray_lightning: copied what rank 0 wrote before the failure: %s", ", ".join(written))
-
-
-# The runs (their folders in storage) this process named, and fitted: a run resumes from storage only in its
-# first fit in a process (a later fit of a notebook starts where the module is).
-_RUNS_SAID: set[str] = set()
-_RUNS_FITTED: set[str] = set()
-
-
-def _ranks_stage(strategy: Any, call: _Call) -> bool:
-    return bool(getattr(strategy, "every_rank_writes", False)) and call.run is None
-
-
-def _staging_area(nodes: Mapping[int, NodeInfo], settings: CallSettings) -> files.StagingArea | None:
-    """Rank 0 off the driver's machine writes into a staging directory on its node (with ``node_staging``, the one
-    every rank on that node shares)."""
-    rank_zero_node = nodes[0].node_id
-    if rank_zero_node == driver_node_id():
-        return None
-    if settings.node_staging and settings.shard_staging is not None:
-        return files.StagingArea(rank_zero_node, node_staging_name(settings.shard_staging, rank_zero_node))
-    return files.StagingArea.new(rank_zero_node)
-
-
-def weight_chunks(actors: list[Any], outputs: list[WorkerOutput | None], in_flight: int = 2) -> Iterator[Any]:
-    """References to every chunk of trained weights the workers hold, asked for a few at a time.
-
-    ``outputs`` are in actor order. While the driver copies one chunk into its module, the next is on
-    its way; one that was read goes from the object store when its reference does.
-    """
-    counts = [(actor, out.weights if out is not None and out.weights else 0) for actor, out in zip(actors, outputs)]
-    wanted = [(actor, index) for actor, count in counts for index in range(count)]
-    pending: deque[Any] = deque()
-    for actor, index in wanted:
-        pending.append(actor.weights_chunk.remote(index))
-        if len(pending) >= in_flight:
-            yield pending.popleft()
-    while pending:
-        yield pending.popleft()
-
-
-def _stop_check(call: _Call, size: int) -> Callable[[], RayWorkerError | None]:
-    """What ends an attempt early, checked after each message of the workers: a preemption rank 0 checkpointed
-    for, or (elastic) room for more workers once a recovery checkpoint arrived."""
-
-    def stop() -> RayWorkerError | None:
-        error = call.recovery.stop_for_preemption()
-        if error is None and call.growth is not None:
-            return call.growth.check(size, call.recovery.latest)
-        return error
-
-    return stop
-
-
-def _wait_for_output(settings: CallSettings, ranks: list[int], timeout_s: float) -> None:
-    """Until what ``ranks`` printed during the call has been printed here (bounded; see channel.worker_output)."""
-    if settings.output_marker is not None and ranks:
-        output_sync.wait([settings.marker_of(r) for r in ranks], timeout_s)
-
-
-def _keeps_fit(call: _Call) -> bool:
-    """Whether the call's workers keep its Trainer after it (a fit whose workers wait for the next call): the
-    driver's ``trainer.save_checkpoint`` has them write it meanwhile (:mod:`.after_fit`)."""
-    trainer = call.trainer
-    keep_s = trainer.strategy.workers.timeouts.keep_alive_s if trainer is not None else 0
-    return trainer is not None and trainer.state.fn == namespaces.FITTING and keep_s > 0
-
 
 def _take_last_checkpoint(channel: Any) -> None:
     """After a failure: read what rank 0 sent before it (a recovery checkpoint may be on its way)."""
@@ -555,12 +394,3 @@ def _take_last_checkpoint(channel: Any) -> None:
         channel.run_remaining(timeout_s=_FAILED_OUTPUT_WAIT_S)
     except Exception as error:  # noqa: BLE001 - the queue's node may be gone; keep the checkpoint before
         log.debug("ray_lightning: the driver channel could not be read after the failure: %s", error)
-
-
-def _seed_directories(trainer: pl.Trainer | None) -> list[str]:
-    """Where this call's own logs and checkpoints go (the loggers' version directories, checkpoint folders)."""
-    if trainer is None:
-        return []
-    found = [getattr(logger, "log_dir", None) for logger in trainer.loggers]
-    found += [getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks]
-    return [os.fspath(d) for d in found if isinstance(d, (str, os.PathLike)) and os.path.isdir(d)]
