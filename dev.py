@@ -3,6 +3,8 @@
 
     python3 dev.py example   # train the main example on 2 Ray workers, print the metrics that came back
     python3 dev.py test      # run the whole test suite (extra arguments go to pytest)
+    python3 dev.py test --fast   # the edit loop's tier: units and a few single fits, a few minutes
+    python3 dev.py docs      # build the documentation site strictly into site/ (`docs serve`: live, :8000)
     python3 dev.py bench     # run the benchmarks (benchmarks/README.md; extra arguments go to it)
     python3 dev.py bench recovery   # restarts: recovery time against Ray Train, the checkpoints' cost
     python3 dev.py bench sharded    # RayFSDPStrategy against Lightning's own sharded training
@@ -225,7 +227,7 @@ def ensure_litgpt() -> None:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("example", "test", "bench", "matrix", "gpu"):
+    if not argv or argv[0] not in ("example", "test", "docs", "bench", "matrix", "gpu"):
         print(__doc__)
         return 2
     if argv[0] == "matrix":
@@ -242,7 +244,8 @@ def main(argv: list[str]) -> int:
     if argv[0] == "test":
         ensure_deepspeed()
         ensure_litgpt()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # NO_MKDOCS_2_WARNING: MkDocs 1.6 prints a banner about MkDocs 2 on every build; mkdocs.yml pins < 2.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", NO_MKDOCS_2_WARNING="1")
     if argv[0] == "example" and "--tune" in argv:
         cmd = [str(PYTHON), "examples/tune_digits.py", *(a for a in argv[1:] if a != "--tune")]
     elif argv[0] == "example" and "--data" in argv:
@@ -255,8 +258,14 @@ def main(argv: list[str]) -> int:
         cmd = [str(PYTHON), "-m", f"benchmarks.{argv[1]}", *argv[2:]]
     elif argv[0] == "bench":
         cmd = [str(PYTHON), "-m", "benchmarks.run", *argv[1:]]
-    else:
-        cmd = [str(PYTHON), "-m", "pytest", *argv[1:]]
+    elif argv[0] == "docs" and argv[1:2] == ["serve"]:
+        cmd = [str(PYTHON), "-m", "mkdocs", "serve", *argv[2:]]
+    elif argv[0] == "docs":
+        cmd = [str(PYTHON), "-m", "mkdocs", "build", "--strict", *argv[1:]]
+    elif "--fast" in argv:  # tests/conftest.py marks the tier
+        cmd = [str(PYTHON), "-m", "pytest", "-m", "fast", *(a for a in argv[1:] if a != "--fast")]
+    else:  # the whole suite reports its 20 slowest tests (the suite's time is a budget: CI has 90 minutes)
+        cmd = [str(PYTHON), "-m", "pytest", *(argv[1:] or ["--durations=20"])]
     print("+", " ".join(cmd), flush=True)
     code = subprocess.run(cmd, cwd=ROOT, env=env).returncode
     if argv[0] == "test" and len(argv) == 1:

@@ -5,7 +5,7 @@ The torch corners (``torch2.4``...) also run the tests their torch enables (``Co
 Each combination gets one venv, kept per machine in ``$RAY_LIGHTNING_MATRIX_CACHE`` (default
 ``~/.cache/ray_lightning/matrix``) and rebuilt only when its requirements change. The checkout is put
 on ``PYTHONPATH`` instead of being installed, so one venv serves every clone. Results go into the
-README between ``<!-- matrix:start -->`` and ``<!-- matrix:end -->``, with the date they were taken.
+versions page (docs/versions.md) between ``<!-- matrix:start -->`` and ``<!-- matrix:end -->``, with the date they were taken.
 
 torch: 2.13.0 is installed from its CPU wheel. A newer torch exists on PyPI only as a CUDA build of
 several GB, so it is installed once into ``torch-<version>/`` beside the venvs and shared by them
@@ -200,11 +200,11 @@ def _row(result: dict) -> str:
 
 
 def write_table(results: list[dict]) -> None:
-    readme = ROOT / "README.md"
+    readme = ROOT / "docs" / "versions.md"
     text = readme.read_text()
     start, end = "<!-- matrix:start -->", "<!-- matrix:end -->"
     if start not in text or end not in text:
-        raise SystemExit("README.md has no matrix markers")
+        raise SystemExit("docs/versions.md has no matrix markers")
     previous = {
         m.group(1): m.group(0) for m in re.finditer(r"^\| (\S+) \|.*$", text.split(start)[1].split(end)[0], re.M)
     }

@@ -29,6 +29,8 @@ setup(
         "deepspeed": ["deepspeed>=0.16"],
         # storage_path="s3://..." (fsspec's S3 filesystem; gcsfs and adlfs serve gs:// and az:// the same way).
         "s3": ["s3fs"],
+        # The documentation site (`python3 dev.py docs`; mkdocs.yml says why MkDocs).
+        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
         "test": [
             # Both Lightning packages: the suite runs with both installed, the normal case.
             "lightning>=2.4",
@@ -56,6 +58,10 @@ setup(
             # storage_path's tests: a real S3-compatible server (moto's server mode) and fsspec's S3 filesystem.
             "moto[server]>=5.1",
             "s3fs>=2024.6",
+            # tests/test_docs.py builds the site (the docs extra).
+            "mkdocs>=1.6,<2",
+            "mkdocs-material>=9.5",
+            "mkdocstrings[python]>=0.26",
             # Not here: LitGPT (tests/test_fabric_litgpt.py), whose pins would downgrade jsonargparse; dev.py's
             # ensure_litgpt installs it with --no-deps.
         ],

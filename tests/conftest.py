@@ -152,3 +152,32 @@ def no_waiting_workers():
     if ray.is_initialized():
         wait_for(lambda: not alive_worker_actors(), 30, "the workers earlier tests left waiting to stop")
     yield
+
+
+# `python3 dev.py test --fast` (pytest -m fast): the tier for an edit loop, a few minutes. Every test that starts
+# no Ray, no cluster and no other Python, and these single fits, which together cross every layer once.
+FAST_FITS = {
+    "tests/test_training.py::test_fit_brings_trained_weights_and_state_back[2]",
+    "tests/test_training.py::test_best_checkpoint_loads_on_driver",
+    "tests/test_docs.py::test_the_pages_python_runs[docs/getting-started.md]",
+}
+# Modules whose tests start processes of their own (scripts, kernels, clusters) without the shared Ray.
+SLOW_MODULES = {
+    "test_benchmark_crashes",
+    "test_cli",
+    "test_docs",
+    "test_failures",
+    "test_hydra_app",
+    "test_lint",
+    "test_notebook",
+    "test_placement_autoscaling",
+    "test_autoscaling",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+        unit = "ray_local" not in getattr(item, "fixturenames", ()) and module not in SLOW_MODULES
+        if item.nodeid in FAST_FITS or (unit and not module.startswith("test_benchmarks")):
+            item.add_marker(pytest.mark.fast)
