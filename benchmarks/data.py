@@ -17,22 +17,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import signal
 import statistics
-import sys
-import tempfile
 import time
-from dataclasses import replace
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 from benchmarks import data_report, run
 from benchmarks.data_driver import CONTENDERS, TinyConvNet
 from benchmarks.data_rows import DataSpec, preprocess_row
 
-_SIZES = ("rows", "batch_size", "warmup", "work", "block_rows", "loader_workers")
-_ENTRY = "benchmarks.data_driver"
+_SIZES = {
+    "rows": "rows of the one epoch of a fit (12288)",
+    "batch_size": "rows per batch and worker (64)",
+    "warmup": "steps left out of the throughput (10)",
+    "work": "blur passes per row: its preprocessing cost (24)",
+    "block_rows": "rows per block of the Ray Data pipeline (256)",
+    "loader_workers": "DataLoader processes per worker, and Ray Data CPUs per worker (1)",
+}
 _CALIBRATION_ROWS = 300
 
 
@@ -40,22 +41,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="fresh driver processes per contender (default 3)")
     parser.add_argument("--workers", type=int, default=2, help="training processes per fit (default 2)")
-    parser.add_argument("--rows", type=int, default=None, help="rows of the one epoch of a fit (12288)")
-    parser.add_argument("--batch-size", type=int, default=None, help="rows per batch and worker (64)")
-    parser.add_argument("--warmup", type=int, default=None, help="steps left out of the throughput (10)")
-    parser.add_argument("--work", type=int, default=None, help="blur passes per row: its preprocessing cost (24)")
-    parser.add_argument("--block-rows", type=int, default=None, help="rows per block of the Ray Data pipeline (256)")
+    run.add_sizes(parser, _SIZES)
     parser.add_argument(
         "--ready",
         action="store_true",
         help="the data ready before each fit (the transport alone): the Ray Data pipeline "
         "materialized in the driver, the DataLoader's rows computed in each rank's setup",
     )
-    parser.add_argument("--loader-workers", type=int, default=None,
-                        help="DataLoader processes per worker, and Ray Data CPUs per worker (1)")  # fmt: skip
     run.add_run_options(parser, CONTENDERS, "data-<start time>")
     args = run.parse_run_options(parser, argv, CONTENDERS)
-    args.spec = run.sized(DataSpec.tiny() if args.tiny else DataSpec(), {n: getattr(args, n) for n in _SIZES})
+    args.spec = run.sizes_of(args, DataSpec.tiny() if args.tiny else DataSpec(), _SIZES)
     args.spec.workers = args.workers
     args.spec.ready = args.ready
     if args.spec.warmup < 1 or args.spec.steps < args.spec.warmup + 2:
@@ -105,62 +100,27 @@ def cluster_cpus(spec: DataSpec) -> int:
     return spec.workers * (1 + spec.loader_workers)
 
 
-def _measure_all(args: argparse.Namespace, spec: DataSpec, env: dict[str, str], logs: Path) -> tuple[list, list]:
-    """Every contender ``args.repeats`` times, round-robin, each in a fresh driver process; the measurements and
-    the failures."""
-    names = args.contenders.split(",")
-    results: list[dict[str, Any]] = []
-    errors: list[dict[str, Any]] = []
-    # Short: Ray's socket paths under it must stay within the OS's limit.
-    scratch = tempfile.mkdtemp(prefix="rlb-", dir="/tmp" if os.path.isdir("/tmp") else None)
-    started = time.time()
-    try:
-        with run.ray_cluster(cluster_cpus(spec), os.path.join(scratch, "ray"), env) as address:
-            spec_path = os.path.join(scratch, "spec.json")
-            with open(spec_path, "w") as f:
-                f.write(replace(spec, ray_address=address, scratch=scratch).to_json())
-            for repeat, contender in ((r, c) for r in range(args.repeats) for c in names):
-                print(f"[{time.time() - started:5.0f} s] {contender}, repeat {repeat + 1}/{args.repeats}", flush=True)
-                result_path = os.path.join(scratch, f"{contender}-{repeat}.json")
-                log_path = str(logs / f"{contender}-{repeat}.log")
-                try:
-                    result = run.measure_once(contender, spec_path, result_path, log_path, env, args.timeout, _ENTRY)
-                except RuntimeError as error:
-                    print(error, file=sys.stderr, flush=True)
-                    errors.append({"contender": contender, "repeat": repeat, "error": str(error), "log": log_path})
-                    continue
-                results.append({**result, "repeat": repeat})
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return results, errors
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    spec = args.spec
-    name, out, logs = run.output_dirs(args, "data")
-    started = time.time()
-    threads = run._threads_per_process(spec.workers)
-    env = run._environment(threads)
-    calibration = calibrate(spec, threads)
+    spec, started = args.spec, time.time()
+    calibration = calibrate(spec, run._threads_per_process(spec.workers))
     load = os.getloadavg()
-    results, errors = _measure_all(args, spec, env, logs)
-    table = data_report.build(results, args.contenders.split(","))
-    document = {
-        **run.describe(name, "benchmarks.data", argv, started, args.repeats, spec),
-        "steps": spec.steps,
-        "cluster_cpus": cluster_cpus(spec),
-        "calibration": calibration,
-        # The machine's 1-, 5- and 15-minute load averages before and after: whether other work shared it.
-        "load_average": {"before": load, "after": os.getloadavg()},
-        "table": table,
-        "goals": data_report.goals(table, spec.ready),
-        "errors": errors,
-        "measurements": results,
-    }
-    return run.publish(document, data_report.markdown(document), out, logs)
+
+    def judge(results: list, errors: list) -> dict[str, Any]:
+        table = data_report.build(results, args.contenders.split(","))
+        return {
+            "steps": spec.steps,
+            "cluster_cpus": cluster_cpus(spec),
+            "calibration": calibration,
+            # The machine's 1-, 5- and 15-minute load averages before and after: whether other work shared it.
+            "load_average": {"before": load, "after": os.getloadavg()},
+            "table": table,
+            "goals": data_report.goals(table, spec.ready),
+        }
+
+    measure = partial(run._measure_all, args, spec, entry="benchmarks.data_driver", num_cpus=cluster_cpus(spec))
+    return run.benchmark(args, argv, "data", measure, judge, data_report.markdown, started=started)
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, run._exit_on_sigterm)
-    sys.exit(main())
+    run.entry(main)

@@ -45,14 +45,13 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +59,16 @@ import psutil
 
 from benchmarks import elastic_report, run
 from benchmarks.elastic_driver import CONTENDERS, Contender, ElasticSpec, SpotPaths
-from benchmarks.fabric_load import OtherLoad
 from benchmarks.tune_workload import append_record, read_records
 
-_SIZES = ("epochs", "train_size")
-_FRACTIONS = ("lose_at", "back_at", "sample_ms", "absence_s", "resize_monitor_s")
+_SIZES = {"epochs": "epochs of the fixed number of samples (8)", "train_size": "samples per epoch (24000)"}
+_FRACTIONS = {
+    "sample_ms": "a node's compute per sample, ms (0.25)",
+    "lose_at": "share of the samples when a node goes (0.3)",
+    "back_at": "share of the samples when it is back (0.6)",
+    "absence_s": "the fixed size's absence without one (30)",
+    "resize_monitor_s": "Ray Train's resize interval (1)",
+}
 # The order of a round's measurements: the fixed size needs the absence that the elastic run of its round measured.
 _ORDER = ("elastic", "ray_train", "fixed", "uninterrupted")
 _POLL_S = 0.05
@@ -75,16 +79,11 @@ CLUSTER_ENVIRONMENT = {"RAY_TRAIN_V2_ENABLED": "1"}
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2, help="rounds: fresh cluster and driver per measurement (2)")
-    parser.add_argument("--epochs", type=int, default=None, help="epochs of the fixed number of samples (8)")
-    parser.add_argument("--train-size", type=int, default=None, help="samples per epoch (24000)")
-    parser.add_argument("--sample-ms", type=float, default=None, help="a node's compute per sample, ms (0.25)")
-    parser.add_argument("--lose-at", type=float, default=None, help="share of the samples when a node goes (0.3)")
-    parser.add_argument("--back-at", type=float, default=None, help="share of the samples when it is back (0.6)")
-    parser.add_argument("--absence-s", type=float, default=None, help="the fixed size's absence without one (30)")
-    parser.add_argument("--resize-monitor-s", type=float, default=None, help="Ray Train's resize interval (1)")
+    run.add_sizes(parser, _SIZES)
+    run.add_sizes(parser, _FRACTIONS, float)
     run.add_run_options(parser, CONTENDERS, "elastic-<start time>")
     args = run.parse_run_options(parser, argv, CONTENDERS)
-    spec = run.sized(ElasticSpec.tiny() if args.tiny else ElasticSpec(), {k: getattr(args, k) for k in _SIZES})
+    spec = run.sizes_of(args, ElasticSpec.tiny() if args.tiny else ElasticSpec(), _SIZES)
     for key in _FRACTIONS:
         if getattr(args, key) is not None:
             setattr(spec, key, float(getattr(args, key)))
@@ -277,55 +276,34 @@ def _measure_all(args: argparse.Namespace, spec: ElasticSpec, env: dict[str, str
     """Every contender ``args.repeats`` times, round by round in :data:`_ORDER`, on one cluster (each measurement
     starts with all its worker nodes alive, none of them holding a worker: each driver's job ends with it)."""
     chosen = args.contenders.split(",")
-    names = [n for n in _ORDER if n in chosen]
     results: list[dict[str, Any]] = []
-    errors: list[dict[str, Any]] = []
-    scratch = tempfile.mkdtemp(prefix="rle-", dir="/tmp" if os.path.isdir("/tmp") else None)  # short socket paths
-    started = time.time()
-    try:
-        with spot_cluster(spec, os.path.join(scratch, "ray"), env) as cluster:
-            for repeat, name in ((r, n) for r in range(args.repeats) for n in names):
-                print(f"[{time.time() - started:5.0f} s] {name}, repeat {repeat + 1}/{args.repeats}", flush=True)
-                absence, source = _absence(results, repeat, spec)
-                log_path = str(logs / f"{name}-{repeat}.log")
-                try:
-                    result = _measure_one(cluster, CONTENDERS[name], spec, scratch, log_path, env, args, absence)
-                except (RuntimeError, TimeoutError) as error:
-                    print(error, file=sys.stderr, flush=True)
-                    errors.append({"contender": name, "repeat": repeat, "error": str(error), "log": log_path})
-                    continue
-                if CONTENDERS[name].pattern == "time":
-                    result["absence_source"] = source
-                results.append({**result, "repeat": repeat})
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return results, errors
+    with run.scratch_dir("rle-") as scratch, spot_cluster(spec, os.path.join(scratch, "ray"), env) as cluster:
+
+        def measure(name: str, repeat: int) -> dict[str, Any]:
+            absence, source = _absence(results, repeat, spec)
+            log_path = str(logs / f"{name}-{repeat}.log")
+            result = _measure_one(cluster, CONTENDERS[name], spec, scratch, log_path, env, args, absence)
+            return {**result, "absence_source": source} if CONTENDERS[name].pattern == "time" else result
+
+        names = [n for n in _ORDER if n in chosen]
+        return run.rounds(args.repeats, names, measure, logs, (RuntimeError, TimeoutError), results)
+
+
+def _other_load(result: dict[str, Any], load: Any) -> None:
+    result["other_load_cores"] = load.cores(result["t0"], result["t1"])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    spec = args.spec
-    name, out, logs = run.output_dirs(args, "elastic")
-    env = {**run._environment(run._threads_per_process(spec.workers)), **CLUSTER_ENVIRONMENT}
-    loadavg_before = os.getloadavg()
-    with OtherLoad() as load:
-        started = time.time()
-        results, errors = _measure_all(args, spec, env, logs)
-        ended = time.time()
-    for result in results:
-        result["other_load_cores"] = load.cores(result["t0"], result["t1"])
-    table = elastic_report.build(results, args.contenders.split(","), spec)
-    document = {
-        **run.describe(name, "benchmarks.elastic", argv, started, args.repeats, spec),
-        "load": {"loadavg_before": loadavg_before, "other_cores": load.cores(started, ended), "samples": load.samples},
-        "table": table,
-        "targets": elastic_report.targets(table),
-        "errors": errors,
-        "measurements": results,
-    }
-    return run.publish(document, elastic_report.markdown(document), out, logs)
+
+    def judge(results: list, errors: list) -> dict[str, Any]:
+        table = elastic_report.build(results, args.contenders.split(","), args.spec)
+        return {"table": table, "targets": elastic_report.targets(table)}
+
+    measure = partial(_measure_all, args, args.spec)
+    return run.benchmark(args, argv, "elastic", measure, judge, elastic_report.markdown, CLUSTER_ENVIRONMENT,
+                         _other_load)  # fmt: skip
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, run._exit_on_sigterm)
-    sys.exit(main())
+    run.entry(main)

@@ -15,33 +15,34 @@ each measurement in a fresh driver process (python -m benchmarks.recovery_driver
 from __future__ import annotations
 
 import argparse
-import signal
-import sys
-import time
+from functools import partial
+from typing import Any
 
 from benchmarks import run
 from benchmarks.recovery_driver import CASES, RecoverySpec
 from benchmarks.recovery_report import build, markdown, targets
 
-_SIZES = ("steps", "warmup", "epochs", "kill_step", "every_n", "cadence_epochs", "cadence_steps")
+_SIZES = {
+    "steps": "optimizer steps per epoch of a recovery fit (40)",
+    "epochs": "epochs of a recovery fit (3)",
+    "kill_step": "rank 1 dies after this optimizer step (70)",
+    "every_n": "N of the every-N-steps cases (20)",
+    "cadence_steps": "optimizer steps per epoch, cadence (100)",
+    "cadence_epochs": "epochs of a cadence fit (6)",
+    "warmup": "steps left out of the median step time (10)",
+}
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="fresh driver processes per case (default 3)")
     parser.add_argument("--workers", type=int, default=2, help="training processes per fit (default 2)")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per epoch of a recovery fit (40)")
-    parser.add_argument("--epochs", type=int, default=None, help="epochs of a recovery fit (3)")
-    parser.add_argument("--kill-step", type=int, default=None, help="rank 1 dies after this optimizer step (70)")
-    parser.add_argument("--every-n", type=int, default=None, help="N of the every-N-steps cases (20)")
-    parser.add_argument("--cadence-steps", type=int, default=None, help="optimizer steps per epoch, cadence (100)")
-    parser.add_argument("--cadence-epochs", type=int, default=None, help="epochs of a cadence fit (6)")
-    parser.add_argument("--warmup", type=int, default=None, help="steps left out of the median step time (10)")
+    run.add_sizes(parser, _SIZES)
     run.add_run_options(parser, CASES, "recovery-<start time>")
     args = run.parse_run_options(parser, argv, CASES)
     args.spec = RecoverySpec.tiny() if args.tiny else RecoverySpec()
     args.spec.workers = args.workers
-    run.sized(args.spec, {name: getattr(args, name) for name in _SIZES})
+    run.sizes_of(args, args.spec, _SIZES)
     problem = _check(args.spec)
     if problem:
         parser.error(problem)
@@ -64,22 +65,14 @@ def _check(spec: RecoverySpec) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    spec = args.spec
-    name, out, logs = run.output_dirs(args, "recovery")
-    started = time.time()
-    env = run._environment(run._threads_per_process(spec.workers))
-    results, errors = run._measure_all(args, spec, env, logs, entry="benchmarks.recovery_driver")
-    table = build(results, args.contenders.split(","), spec)
-    document = {
-        **run.describe(name, "benchmarks.recovery", argv, started, args.repeats, spec),
-        "table": table,
-        "targets": targets(table),
-        "errors": errors,
-        "measurements": results,
-    }
-    return run.publish(document, markdown(document), out, logs)
+
+    def judge(results: list, errors: list) -> dict[str, Any]:
+        table = build(results, args.contenders.split(","), args.spec)
+        return {"table": table, "targets": targets(table)}
+
+    measure = partial(run._measure_all, args, args.spec, entry="benchmarks.recovery_driver")
+    return run.benchmark(args, argv, "recovery", measure, judge, markdown)
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, run._exit_on_sigterm)
-    sys.exit(main())
+    run.entry(main)

@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, replace
+from functools import partial
 from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,6 +35,12 @@ from benchmarks.workload import Spec
 
 ROOT = Path(__file__).resolve().parents[1]
 _LOG_TAIL = 4000
+_SIZES = {
+    "steps": "optimizer steps per fit (60)",
+    "warmup": "steps left out of the step time (10)",
+    "batch_size": "per worker (128)",
+    "hidden": "width of the MLP's hidden layers (1024)",
+}
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -41,12 +48,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="fresh driver processes per contender (default 3)")
     parser.add_argument("--workers", type=int, default=2, help="training processes per fit (default 2)")
     parser.add_argument("--params", type=float, default=None, help="parameters of the weights-back model (250e6)")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per fit (60)")
-    parser.add_argument("--warmup", type=int, default=None, help="steps left out of the step time (10)")
-    parser.add_argument("--batch-size", type=int, default=None, help="per worker (128)")
-    parser.add_argument("--hidden", type=int, default=None, help="width of the MLP's hidden layers (1024)")
+    add_sizes(parser, _SIZES)
     add_run_options(parser, CONTENDERS, "the start time")
-    return parse_run_options(parser, argv, CONTENDERS)
+    args = parse_run_options(parser, argv, CONTENDERS)
+    args.spec = sizes_of(args, Spec.tiny() if args.tiny else Spec(), _SIZES)
+    args.spec.workers = args.workers
+    sized(args.spec, {"weights_params": args.params})
+    return args
 
 
 def add_run_options(parser: argparse.ArgumentParser, contenders: Iterable[str], default_name: str) -> None:
@@ -84,14 +92,6 @@ def sized(spec: SpecT, sizes: dict[str, Any]) -> SpecT:
         if value is not None:
             setattr(spec, name, int(value))
     return spec
-
-
-def _spec(args: argparse.Namespace) -> Spec:
-    spec = Spec.tiny() if args.tiny else Spec()
-    spec.workers = args.workers
-    sizes = {"weights_params": args.params, "steps": args.steps, "warmup": args.warmup,
-             "batch_size": args.batch_size, "hidden": args.hidden}  # fmt: skip
-    return sized(spec, sizes)
 
 
 def _threads_per_process(workers: int) -> int:
@@ -241,43 +241,71 @@ def _measure_or_again(contender: str, repeat: int, scratch: str, logs: Path, run
         return {**result, "crashed_before": str(crash)}
 
 
-def _measure_all(
-    args: argparse.Namespace, spec: Spec, env: dict[str, str], logs: Path, entry: str = "benchmarks.measure"
-) -> tuple[list, list]:
-    """Every contender ``args.repeats`` times, round-robin, each in ``python -m entry``; returns the measurements
-    and the failures."""
-    names = args.contenders.split(",")
-    results: list[dict[str, Any]] = []
-    errors: list[dict[str, Any]] = []
-    # Short: Ray's socket paths under it must stay within the OS's limit.
-    scratch = tempfile.mkdtemp(prefix="rlb-", dir="/tmp" if os.path.isdir("/tmp") else None)
-    started = time.time()
+@contextlib.contextmanager
+def scratch_dir(prefix: str = "rlb-") -> Iterator[str]:
+    """A private temp folder, removed afterwards; short, for Ray's socket paths under it stay within the OS's limit."""
+    scratch = tempfile.mkdtemp(prefix=prefix, dir="/tmp" if os.path.isdir("/tmp") else None)
     try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def rounds(
+    repeats: int,
+    names: Iterable[str],
+    measure: Callable[[str, int], dict[str, Any]],
+    logs: Path | None = None,
+    failures: tuple[type[BaseException], ...] = (RuntimeError,),
+    results: list[dict[str, Any]] | None = None,
+) -> tuple[list, list]:
+    """``measure(name, repeat)`` for every name, ``repeats`` times, round-robin (a noisy stretch of time hits them
+    all); returns the measurements (each with its ``repeat``, appended to ``results`` as they come) and the
+    failures (with the log under ``logs``)."""
+    names = list(names)
+    results = [] if results is None else results
+    errors: list[dict[str, Any]] = []
+    started = time.time()
+    for repeat, name in ((r, n) for r in range(repeats) for n in names):
+        print(f"[{time.time() - started:5.0f} s] {name}, repeat {repeat + 1}/{repeats}", flush=True)
+        try:
+            result = measure(name, repeat)
+        except failures as error:
+            print(error, file=sys.stderr, flush=True)
+            log = {"log": str(logs / f"{name}-{repeat}.log")} if logs is not None else {}
+            errors.append({"contender": name, "repeat": repeat, "error": str(error), **log})
+            continue
+        results.append({**result, "repeat": repeat})
+    return results, errors
+
+
+def _measure_all(
+    args: argparse.Namespace,
+    spec: Spec,
+    env: dict[str, str],
+    logs: Path,
+    entry: str = "benchmarks.measure",
+    num_cpus: int | None = None,
+) -> tuple[list, list]:
+    """Every contender ``args.repeats`` times, round-robin, each in ``python -m entry`` (once more after a crash);
+    returns the measurements and the failures."""
+    with scratch_dir() as scratch:
         # As many CPUs as the workers reserve (Ray Train's controller and helper actors reserve none), or those a
         # spec asks for (Tune's trials reserve their own process too), and a GPU each where they train on GPUs.
         num_gpus = spec.workers if getattr(spec, "gpu", False) else None
-        num_cpus = getattr(spec, "cluster_cpus", spec.workers)
+        num_cpus = num_cpus or getattr(spec, "cluster_cpus", spec.workers)
         with ray_cluster(num_cpus, os.path.join(scratch, "ray"), env, num_gpus) as address:
             spec_path = os.path.join(scratch, "spec.json")
             with open(spec_path, "w") as f:
                 f.write(replace(spec, ray_address=address, scratch=scratch).to_json())
-            for repeat, contender in ((r, c) for r in range(args.repeats) for c in names):
-                print(f"[{time.time() - started:5.0f} s] {contender}, repeat {repeat + 1}/{args.repeats}", flush=True)
-                log_path = str(logs / f"{contender}-{repeat}.log")
 
-                def run(result_path: str, log_path: str, contender: str = contender) -> Any:
+            def measure(contender: str, repeat: int) -> Any:
+                def once(result_path: str, log_path: str) -> Any:
                     return measure_once(contender, spec_path, result_path, log_path, env, args.timeout, entry)
 
-                try:
-                    result = _measure_or_again(contender, repeat, scratch, logs, run)
-                except RuntimeError as error:
-                    print(error, file=sys.stderr, flush=True)
-                    errors.append({"contender": contender, "repeat": repeat, "error": str(error), "log": log_path})
-                    continue
-                results.append({**result, "repeat": repeat})
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return results, errors
+                return _measure_or_again(contender, repeat, scratch, logs, once)
+
+            return rounds(args.repeats, args.contenders.split(","), measure, logs)
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
@@ -287,34 +315,18 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    spec = _spec(args)
-    threads = _threads_per_process(spec.workers)
-    env = _environment(threads)
-    name = args.name or time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out)
-    logs = out / "logs" / name
-    logs.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    results, errors = _measure_all(args, spec, env, logs)
-    table = report.build(results, args.contenders.split(","))
-    document = {
-        "name": name,
-        "command": " ".join(["python", "-m", "benchmarks.run", *(sys.argv[1:] if argv is None else argv)]),
-        "duration_s": time.time() - started,
-        "repeats": args.repeats,
-        "spec": asdict(spec),
-        "machine": _machine(threads),
-        "table": table,
-        "targets": report.targets(table),
-        "errors": errors,
-        "measurements": results,
-    }
-    return publish(document, report.markdown(document), out, logs)
+
+    def judge(results: list, errors: list) -> dict[str, Any]:
+        table = report.build(results, args.contenders.split(","))
+        return {"table": table, "targets": report.targets(table)}
+
+    measure = partial(_measure_all, args, args.spec)
+    return benchmark(args, argv, "run", measure, judge, report.markdown)
 
 
 def output_dirs(args: argparse.Namespace, prefix: str) -> tuple[str, Path, Path]:
     """A run's name (``--name``, or ``<prefix>-<start time>``), its output folder and its log folder (made)."""
-    name = args.name or time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
+    name = args.name or time.strftime(("" if prefix == "run" else f"{prefix}-") + "%Y%m%d-%H%M%S")
     out = Path(args.out)
     logs = out / "logs" / name
     logs.mkdir(parents=True, exist_ok=True)
@@ -345,6 +357,57 @@ def publish(document: dict[str, Any], text: str, out: Path, logs: Path) -> int:
     return 1 if document["errors"] else 0
 
 
-if __name__ == "__main__":
+def add_sizes(parser: argparse.ArgumentParser, sizes: dict[str, str], kind: type = int) -> None:
+    """A ``--<size>`` option per entry of ``sizes`` (its help, the default in brackets); None keeps the spec's."""
+    for size, help in sizes.items():
+        parser.add_argument("--" + size.replace("_", "-"), type=kind, default=None, help=help)
+
+
+def sizes_of(args: argparse.Namespace, spec: SpecT, sizes: Iterable[str]) -> SpecT:
+    """``spec`` with the sizes of ``sizes`` given on the command line."""
+    return sized(spec, {size: getattr(args, size) for size in sizes})
+
+
+def benchmark(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    prefix: str,
+    measure: Callable[[dict[str, str], Path], tuple[list, list]],
+    judge: Callable[[list, list], dict[str, Any]],
+    markdown: Callable[[dict[str, Any]], str],
+    env: dict[str, str] | None = None,
+    other_load: Callable[[dict[str, Any], Any], None] | None = None,
+    started: float | None = None,
+) -> int:
+    """What every benchmark's ``main`` does: its output folders, the environment of its processes, ``measure(env,
+    logs)`` (sampling the machine's other load, ``other_load(result, load)`` into each result, where given), its
+    document (:func:`describe`, the load, ``judge(results, errors)``, the failures and every measurement) and
+    :func:`publish`. ``python -m benchmarks.<prefix>``."""
+    from benchmarks.fabric_load import OtherLoad
+
+    spec = args.spec
+    name, out, logs = output_dirs(args, prefix)
+    env = {**_environment(_threads_per_process(spec.workers)), **(env or {})}
+    loadavg_before = os.getloadavg()
+    with OtherLoad() if other_load else contextlib.nullcontext() as load:
+        started = started or time.time()
+        results, errors = measure(env, logs)
+        ended = time.time()
+    document = describe(name, f"benchmarks.{prefix}", argv, started, args.repeats, spec)
+    if other_load:
+        for result in results:
+            other_load(result, load)
+        samples = {"loadavg_before": loadavg_before, "other_cores": load.cores(started, ended), "samples": load.samples}
+        document["load"] = samples
+    document.update(judge(results, errors), errors=errors, measurements=results)
+    return publish(document, markdown(document), out, logs)
+
+
+def entry(main: Callable[[], int]) -> None:
+    """``python -m benchmarks.<name>``: SIGTERM unwinds (the driver processes and Ray stop), the exit code is main's."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry(main)

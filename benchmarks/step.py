@@ -17,10 +17,9 @@ refused, before anything starts, where there are fewer CUDA GPUs than workers.
 from __future__ import annotations
 
 import argparse
-import signal
 import statistics
 import sys
-import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -46,7 +45,12 @@ TARGETS = (
 )
 # On GPUs (the goal): the first fit's ratio is shown, not judged (Ray's workers start as processes).
 GPU_TARGETS = (("steady-state step within 2% of Lightning's own on the GPU", "step_ms", 1.02),)
-_SIZES = ("steps", "warmup", "batch_size", "hidden")
+_SIZES = {
+    "steps": "optimizer steps of the fit (300)",
+    "warmup": "steps left out of the step time (30)",
+    "batch_size": "per worker (128; 512 on GPUs)",
+    "hidden": "width of the MLP's hidden layers (384; 8192 on GPUs)",
+}
 _LABELS = {name: c.label for name, c in {**CONTENDERS, **GPU_CONTENDERS}.items()}
 
 
@@ -54,10 +58,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="fresh driver processes per contender (default 5)")
     parser.add_argument("--workers", type=int, default=None, help="training processes per fit (2; 1 on GPUs)")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps of the fit (300)")
-    parser.add_argument("--warmup", type=int, default=None, help="steps left out of the step time (30)")
-    parser.add_argument("--batch-size", type=int, default=None, help="per worker (128; 512 on GPUs)")
-    parser.add_argument("--hidden", type=int, default=None, help="width of the MLP's hidden layers (384; 8192 on GPUs)")
+    run.add_sizes(parser, _SIZES)
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                         help="cpu (default): RayStrategy against ddp_spawn; gpu: one GPU per worker, RayStrategy "
                         "against Lightning's own Trainer on the GPU")  # fmt: skip
@@ -70,7 +71,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.contenders = args.contenders or ",".join(names)
     run.check_contenders(parser, args, names)
     spec = StepSpec.on_gpu(args.tiny) if gpu else StepSpec.tiny() if args.tiny else StepSpec()
-    args.spec = run.sized(spec, {k: getattr(args, k) for k in _SIZES})
+    args.spec = run.sizes_of(args, spec, _SIZES)
     args.spec.workers = args.workers or args.spec.workers
     if gpu and torch.cuda.device_count() < args.spec.workers:
         # Before the Ray cluster starts: there is nothing to measure.
@@ -179,23 +180,14 @@ def startup_lines(measurements: list[dict[str, Any]]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    spec = args.spec
-    name, out, logs = run.output_dirs(args, "step")
-    started = time.time()
-    env = run._environment(run._threads_per_process(spec.workers))
-    results, errors = run._measure_all(args, spec, env, logs, entry="benchmarks.step_measure")
-    table = build(results, args.contenders.split(","), args.baseline)
-    document = {
-        **run.describe(name, "benchmarks.step", argv, started, args.repeats, spec),
-        "baseline": args.baseline,
-        "table": table,
-        "targets": targets(table, args.baseline, args.targets),
-        "errors": errors,
-        "measurements": results,
-    }
-    return run.publish(document, markdown(document), out, logs)
+
+    def judge(results: list, errors: list) -> dict[str, Any]:
+        table = build(results, args.contenders.split(","), args.baseline)
+        return {"baseline": args.baseline, "table": table, "targets": targets(table, args.baseline, args.targets)}
+
+    measure = partial(run._measure_all, args, args.spec, entry="benchmarks.step_measure")
+    return run.benchmark(args, argv, "step", measure, judge, markdown)
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, run._exit_on_sigterm)
-    sys.exit(main())
+    run.entry(main)

@@ -23,16 +23,15 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,15 @@ import psutil
 from benchmarks import run, storage_report
 from benchmarks.storage_driver import CASES, FIRST_DRIVER, RAY_TRAIN_RUNS, RUNS, StorageSpec
 
-_SIZES = ("blocks", "steps", "epochs", "cost_blocks", "cost_steps", "cost_epochs", "warmup")
+_SIZES = {
+    "blocks": "blocks of the memory part's model (16: 515 MB)",
+    "steps": "optimizer steps per epoch, memory part (2)",
+    "epochs": "epochs of a memory fit (2)",
+    "cost_blocks": "blocks of the cost and resume parts' model (5: 168 MB, 505 MB with Adam's state)",
+    "cost_steps": "optimizer steps per epoch, cost/resume (10)",
+    "cost_epochs": "epochs of a cost or resume fit (3)",
+    "warmup": "steps left out of the median step (4)",
+}
 _ENTRY = "benchmarks.storage_driver"
 _MARKER = "COMPLETE.json"
 _POLL_S = 0.2
@@ -51,21 +58,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="fresh driver processes per case (default 3)")
     parser.add_argument("--workers", type=int, default=2, help="training processes per fit (default 2)")
-    parser.add_argument("--blocks", type=int, default=None, help="blocks of the memory part's model (16: 515 MB)")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per epoch, memory part (2)")
-    parser.add_argument("--epochs", type=int, default=None, help="epochs of a memory fit (2)")
-    parser.add_argument(
-        "--cost-blocks",
-        type=int,
-        default=None,
-        help="blocks of the cost and resume parts' model (5: 168 MB, 505 MB with Adam's state)",
-    )
-    parser.add_argument("--cost-steps", type=int, default=None, help="optimizer steps per epoch, cost/resume (10)")
-    parser.add_argument("--cost-epochs", type=int, default=None, help="epochs of a cost or resume fit (3)")
-    parser.add_argument("--warmup", type=int, default=None, help="steps left out of the median step (4)")
+    run.add_sizes(parser, _SIZES)
     run.add_run_options(parser, CASES, "storage-<start time>")
     args = run.parse_run_options(parser, argv, CASES)
-    args.spec = run.sized(StorageSpec.tiny() if args.tiny else StorageSpec(), {n: getattr(args, n) for n in _SIZES})
+    args.spec = run.sizes_of(args, StorageSpec.tiny() if args.tiny else StorageSpec(), _SIZES)
     args.spec.workers = args.workers
     if args.spec.epochs < 1 or args.spec.cost_epochs < 2:
         parser.error("a resume needs 2+ epochs (--cost-epochs): the driver is killed after the first epoch's")
@@ -244,51 +240,27 @@ class Harness:
 
 
 def _measure_all(args: argparse.Namespace, spec: StorageSpec, env: dict[str, str], logs: Path) -> tuple[list, list]:
-    """Every case ``args.repeats`` times, round-robin, each in a fresh driver process; the measurements and the
-    failures."""
-    names = args.contenders.split(",")
-    results: list[dict[str, Any]] = []
-    errors: list[dict[str, Any]] = []
-    # Short: Ray's socket paths under it must stay within the OS's limit.
-    scratch = tempfile.mkdtemp(prefix="rlb-", dir="/tmp" if os.path.isdir("/tmp") else None)
-    started = time.time()
-    try:
-        with s3_server(logs / "s3-server.log") as (endpoint, server_pid):
-            env = {**env, **s3_environment(endpoint)}  # the cluster's processes and every driver
-            bucket = Bucket(endpoint)
-            with run.ray_cluster(spec.workers, os.path.join(scratch, "ray"), env) as address:
-                spec = replace(spec, ray_address=address, scratch=scratch, bucket=bucket.url, endpoint=endpoint)
-                harness = Harness(args, spec, env, logs, scratch, bucket, server_pid)
-                for repeat, case in ((r, c) for r in range(args.repeats) for c in names):
-                    print(f"[{time.time() - started:5.0f} s] {case}, repeat {repeat + 1}/{args.repeats}", flush=True)
-                    try:
-                        results.append({**harness.measure(case, repeat), "repeat": repeat})
-                    except RuntimeError as error:
-                        print(error, file=sys.stderr, flush=True)
-                        errors.append({"contender": case, "repeat": repeat, "error": str(error)})
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return results, errors
+    """Every case ``args.repeats`` times, round-robin, each in a fresh driver process, against one S3 server and one
+    Ray cluster; the measurements and the failures."""
+    with run.scratch_dir() as scratch, s3_server(logs / "s3-server.log") as (endpoint, server_pid):
+        env = {**env, **s3_environment(endpoint)}  # the cluster's processes and every driver
+        bucket = Bucket(endpoint)
+        with run.ray_cluster(spec.workers, os.path.join(scratch, "ray"), env) as address:
+            spec = replace(spec, ray_address=address, scratch=scratch, bucket=bucket.url, endpoint=endpoint)
+            harness = Harness(args, spec, env, logs, scratch, bucket, server_pid)
+            return run.rounds(args.repeats, args.contenders.split(","), harness.measure)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    spec = args.spec
-    name, out, logs = run.output_dirs(args, "storage")
-    started = time.time()
-    env = run._environment(run._threads_per_process(spec.workers))
-    results, errors = _measure_all(args, spec, env, logs)
-    table = storage_report.build(results, args.contenders.split(","), spec)
-    document = {
-        **run.describe(name, "benchmarks.storage", argv, started, args.repeats, spec),
-        "table": table,
-        "goals": storage_report.goals(table),
-        "errors": errors,
-        "measurements": results,
-    }
-    return run.publish(document, storage_report.markdown(document), out, logs)
+
+    def judge(results: list, errors: list) -> dict[str, Any]:
+        table = storage_report.build(results, args.contenders.split(","), args.spec)
+        return {"table": table, "goals": storage_report.goals(table)}
+
+    measure = partial(_measure_all, args, args.spec)
+    return run.benchmark(args, argv, "storage", measure, judge, storage_report.markdown)
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, run._exit_on_sigterm)
-    sys.exit(main())
+    run.entry(main)
