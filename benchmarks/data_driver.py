@@ -14,8 +14,6 @@ compare.
 
 from __future__ import annotations
 
-import glob
-import json
 import math
 import os
 import statistics
@@ -29,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from benchmarks import data_restart
+from benchmarks import data_restart, read_ranks, write_whole
 from benchmarks.data_rows import DataSpec, image_dataset, label, preprocess_row
 from benchmarks.measure import _peak_rss_mb, measurement_main
 from benchmarks.workload import pl, trainer_kwargs
@@ -177,20 +175,7 @@ class DataClock(pl.Callback):
             "snapshots": self.snapshots,
             "first_batch": self.first_batch,
         }
-        path = f"{self.prefix}.rank{trainer.global_rank}.json"
-        with open(path + ".partial", "w") as f:
-            json.dump(record, f)
-        os.replace(path + ".partial", path)  # the driver never reads half a file
-
-
-def read_ranks(prefix: str) -> dict[int, dict[str, Any]]:
-    """Every rank's clock file, by rank."""
-    records = {}
-    for path in glob.glob(f"{prefix}.rank*.json"):
-        with open(path) as f:
-            record = json.load(f)
-        records[record["rank"]] = record
-    return records
+        write_whole(f"{self.prefix}.rank{trainer.global_rank}.json", record)
 
 
 # -- The contenders ------------------------------------------------------------------------------------------

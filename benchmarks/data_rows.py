@@ -8,11 +8,12 @@ first block).
 from __future__ import annotations
 
 import functools
-import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from benchmarks import JsonSpec
 
 # ImageNet's per-channel mean and standard deviation: the normalization of the preprocessing.
 _MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)[:, None, None]
@@ -20,7 +21,7 @@ _STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)[:, None, None]
 
 
 @dataclass
-class DataSpec:
+class DataSpec(JsonSpec):
     """The sizes of one data-benchmark run; sent as JSON to each driver process."""
 
     workers: int = 2
@@ -62,14 +63,6 @@ class DataSpec:
     def steps(self) -> int:
         """Optimizer steps of the fit: the epoch's whole steps."""
         return self.rows // (self.workers * self.batch_size)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> DataSpec:
-        data = json.loads(text)
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
 
 # -- The preprocessing: the same per row in every contender ------------------------------------------------

@@ -18,7 +18,6 @@ With tiny sizes (``spec.smoke``) the weights-back fit is fit #2 itself (:func:`f
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -29,6 +28,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import write_whole
 from benchmarks.contenders import CONTENDERS, Contender
 from benchmarks.workload import BenchModule, Spec, WeightsModule, read_clock
 
@@ -186,10 +186,7 @@ def measurement_main(
         os.environ.update(SMOKE_ENVIRONMENT)
     result = measure_fn(contenders[args.contender], spec, args.result, record=not _launched_by_lightning_ddp())
     if result is not None:
-        partial = args.result + ".partial"
-        with open(partial, "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(partial, args.result)
+        write_whole(args.result, result, indent=1)
     if smoke:
         _leave_now()
 

@@ -15,14 +15,16 @@ each measurement in a fresh driver process (python -m benchmarks.recovery_driver
 from __future__ import annotations
 
 import argparse
+import statistics
 from functools import partial
 from typing import Any
 
 from benchmarks import run
-from benchmarks.recovery_driver import CASES, RecoverySpec
-from benchmarks.recovery_report import build, markdown, targets
+from benchmarks.recovery_driver import CASES, Case, RecoverySpec
+from benchmarks.report import Metric, cell, failure_lines, summarize
 
 _SIZES = {
+    "workers": "training processes per fit (default 2)",
     "steps": "optimizer steps per epoch of a recovery fit (40)",
     "epochs": "epochs of a recovery fit (3)",
     "kill_step": "rank 1 dies after this optimizer step (70)",
@@ -34,19 +36,8 @@ _SIZES = {
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3, help="fresh driver processes per case (default 3)")
-    parser.add_argument("--workers", type=int, default=2, help="training processes per fit (default 2)")
-    run.add_sizes(parser, _SIZES)
-    run.add_run_options(parser, CASES, "recovery-<start time>")
-    args = run.parse_run_options(parser, argv, CASES)
-    args.spec = RecoverySpec.tiny() if args.tiny else RecoverySpec()
-    args.spec.workers = args.workers
-    run.sizes_of(args, args.spec, _SIZES)
-    problem = _check(args.spec)
-    if problem:
-        parser.error(problem)
-    return args
+    repeats = (3, "fresh driver processes per case (default 3)")
+    return run.parse(argv, __doc__, "recovery", CASES, RecoverySpec, _SIZES, repeats, check=lambda _, s: _check(s))
 
 
 def _check(spec: RecoverySpec) -> str | None:
@@ -61,6 +52,231 @@ def _check(spec: RecoverySpec) -> str | None:
     if spec.cadence_epochs < 2 or spec.warmup >= min(per_epoch, spec.cadence_steps):
         return "a cadence fit needs 2+ epochs, and --warmup fewer steps than an epoch"
     return None
+
+
+# -- The tables: The restart benchmark's tables: every case's samples, median and spread, ratios, the goals.
+RECOVERY_METRICS = (
+    Metric("recovery_s", "kill → 1st step after the restart, s", ".2f"),
+    Metric("detect_s", "kill → driver knows, s", ".2f"),
+    Metric("relaunch_s", "kill → new rank 0's on_fit_start, s", ".2f"),
+    Metric("work_lost_steps", "work lost, steps", ".0f"),
+    Metric("back_at_kill_step_s", "kill → back at the kill step, s", ".2f"),
+    Metric("fit_s", "fit with the failure, s", ".2f"),
+)
+CADENCE_METRICS = (
+    Metric("step_ms", "step, ms (median)", ".2f"),
+    Metric("mean_step_ms", "step, ms (mean, checkpoints included)", ".2f"),
+    Metric("mean_step_cpu_ms", "rank 0 CPU per step, ms (mean)", ".2f"),
+    Metric("epoch_end_excess_ms", "step after an epoch end − median step, ms", ".1f"),
+    Metric("checkpoints_in_window", "checkpoints in the window", ".0f"),
+    Metric("fit_s", "fit, s", ".2f"),
+)
+METRICS = {"recovery": RECOVERY_METRICS, "cadence": CADENCE_METRICS}
+# Recovery cases are compared with the Ray Train case of the same cadence (`Case.against`), by these.
+RATIO_KEYS = ("recovery_s", "relaunch_s", "work_lost_steps", "back_at_kill_step_s", "fit_s")
+# Cadence cases are compared with RayStrategy without recovery checkpoints, by these (percent).
+BASELINE = "ray_mf0"
+PERCENT_KEYS = ("step_ms", "mean_step_ms", "mean_step_cpu_ms")
+
+
+def _finished(run: dict[str, Any], case: Case, spec: RecoverySpec) -> bool:
+    """The fit ended at the step it was asked for, after exactly one restart (recovery cases)."""
+    sizes, epochs = spec.shape(case.part)
+    expected, metrics = sizes.steps * epochs, run["metrics"]
+    if metrics["final_global_step"] != expected:
+        return False
+    if case.part == "cadence":
+        return True
+    if case.ray_train:
+        return metrics["attempts"] == 2
+    return metrics["attempts"] == 2 and len(run["restarts"]) == 1 and run["driver_global_step"] == expected
+
+
+def build(results: list[dict[str, Any]], order: list[str], spec: RecoverySpec) -> dict[str, Any]:
+    """Per case and metric: samples, median, spread; ratios against Ray Train, percentages against max_failures=0."""
+    table: dict[str, dict[str, Any]] = {}
+    for name in order:
+        runs = [r for r in results if r["contender"] == name]
+        if not runs:
+            continue
+        case = CASES[name]
+        table[name] = {
+            "label": case.label,
+            "part": case.part,
+            "repeats": len(runs),
+            "metrics": {m.key: summarize([r["metrics"][m.key] for r in runs]) for m in METRICS[case.part]},
+            "finished": all(_finished(r, case, spec) for r in runs),
+        }
+    _ratios(table)
+    _percentages(table, results)
+    _checkpoint_cost(table, spec)
+    return table
+
+
+def _ratios(table: dict[str, Any]) -> None:
+    for name, entry in table.items():
+        theirs = table.get(CASES[name].against or "")
+        for key in RATIO_KEYS if theirs else ():
+            ours, reference = entry["metrics"][key], theirs["metrics"][key]
+            if ours is not None and reference is not None and reference["median"]:
+                ours["ratio"] = ours["median"] / reference["median"]
+
+
+def _percentages(table: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    """Percent against the baseline: of the medians, and the median of each repeat's pair (same round)."""
+    base = table.get(BASELINE)
+    if base is None:
+        return
+    baseline = {r["repeat"]: r["metrics"] for r in results if r["contender"] == BASELINE}
+    for name, entry in table.items():
+        if entry["part"] != "cadence" or name == BASELINE:
+            continue
+        runs = [r for r in results if r["contender"] == name and r["repeat"] in baseline]
+        for key in PERCENT_KEYS:
+            summary = entry["metrics"][key]
+            summary["percent"] = (summary["median"] / base["metrics"][key]["median"] - 1) * 100
+            paired = [(r["metrics"][key] / baseline[r["repeat"]][key] - 1) * 100 for r in runs]
+            summary["paired_percent"] = statistics.median(paired) if paired else None
+
+
+def _checkpoint_cost(table: dict[str, Any], spec: RecoverySpec) -> None:
+    """One checkpoint's cost, from what an epoch end adds to its step beyond the baseline's (the data loader's
+    restart), and what that cost is at the case's cadence as a share of the baseline's median step."""
+    base = table.get(BASELINE)
+    steps = spec.cadence_steps * (spec.cadence_epochs - 1)  # the window of `checkpoints_in_window`
+    for name, entry in table.items():
+        if base is None or entry["part"] != "cadence" or name == BASELINE:
+            continue
+        metrics, reference = entry["metrics"], base["metrics"]
+        cost = metrics["epoch_end_excess_ms"]["median"] - reference["epoch_end_excess_ms"]["median"]
+        per_step = metrics["checkpoints_in_window"]["median"] / steps
+        entry["checkpoint_ms"] = cost
+        entry["checkpoint_percent"] = cost * per_step / reference["step_ms"]["median"] * 100
+
+
+def _status(value: float | None, bound: float) -> str:
+    return "unknown" if value is None else ("met" if value < bound else "missed")
+
+
+def targets(table: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's goals: recovery under half of Ray Train's; the default cadence under 2% of the step."""
+    rows = []
+    for name in ("ray", "ray_n"):
+        if name in table:
+            value = (table[name]["metrics"]["recovery_s"] or {}).get("ratio")
+            rows.append(
+                {
+                    "target": "recovery time under half of Ray Train's (same failure, same checkpoints)",
+                    "case": name,
+                    "value": value,
+                    "bound": 0.5,
+                    "unit": "×",
+                    "status": _status(value, 0.5),
+                }
+            )
+    for name, bound in (("ray_mf1", 2.0), ("ray_mf1_n", None)):
+        if name not in table:
+            continue
+        entry = table[name]
+        cadence = "the default cadence" if bound else "every N steps (no goal)"
+        measured = {
+            f"checkpoints at {cadence}: the mean step, checkpoints included, against max_failures=0": (
+                entry["metrics"]["mean_step_ms"].get("percent")
+            ),
+            f"checkpoints at {cadence}: one checkpoint's cost × its rate ÷ the step": entry.get("checkpoint_percent"),
+        }
+        for what, value in measured.items():
+            status = _status(value, bound) if bound else "info"
+            rows.append({"target": what, "case": name, "value": value, "bound": bound, "unit": "%", "status": status})
+    return rows
+
+
+def _percent(summary: dict[str, Any] | None) -> str:
+    if summary is None or "percent" not in summary:
+        return ""
+    return f" {summary['percent']:+.1f}%"
+
+
+def _table(table: dict[str, Any], part: str) -> list[str]:
+    metrics = METRICS[part]
+    lines = [
+        "| case | " + " | ".join(m.title for m in metrics) + " | finished |",
+        "| --- |" + " ---: |" * len(metrics) + " --- |",
+    ]
+    for name, entry in table.items():
+        if entry["part"] != part:
+            continue
+        cells = [cell(entry["metrics"][m.key], m.fmt, "ratio") + _percent(entry["metrics"][m.key]) for m in metrics]
+        lines.append(
+            f"| `{name}`: {entry['label']} | " + " | ".join(cells) + f" | {'yes' if entry['finished'] else 'NO'} |"
+        )
+    return lines
+
+
+def _header(document: dict[str, Any]) -> list[str]:
+    spec, machine = document["spec"], document["machine"]
+    return [
+        f"{spec['workers']} workers, MLP {spec['features']}-{spec['hidden']}-{spec['hidden']}-{spec['classes']}, "
+        f"batch {spec['batch_size']} per worker; "
+        f"{document['repeats']} repeat(s) of every case, round-robin, each a fresh driver process.",
+        f"Machine: {machine['cpus']} CPUs, {machine['memory_gb']:.0f} GB; torch {machine['torch']}, "
+        f"Lightning {machine['pytorch_lightning']}, Ray {machine['ray']}; "
+        f"{machine['threads_per_process']} torch thread(s) per process.",
+    ]
+
+
+def markdown(document: dict[str, Any]) -> str:
+    """The tables as markdown, to print and to paste into benchmarks/README.md."""
+    table, spec = document["table"], document["spec"]
+    lines = [*_header(document), ""]
+    if any(e["part"] == "recovery" for e in table.values()):
+        lines += [
+            f"Recovery: {spec['epochs']} epochs of {spec['steps']} steps; rank {spec['kill_rank']} SIGKILLs itself "
+            f"after optimizer step {spec['kill_step']}; checkpoints at every epoch end, and every {spec['every_n']} "
+            "steps in the `_n` cases. Cells: median (min–max); ×: ratio of medians against Ray Train with the same "
+            "checkpoints.",
+            "",
+            *_table(table, "recovery"),
+            "",
+        ]
+    if any(e["part"] == "cadence" for e in table.values()):
+        lines += [
+            f"Checkpoint cadence: {spec['cadence_epochs']} epochs of {spec['cadence_steps']} steps, no failure; "
+            f"the means are over epochs 2 to {spec['cadence_epochs']} (every checkpoint's cost inside), the median "
+            f"over the steps after {spec['warmup']}. %: of the medians against `{BASELINE}`.",
+            "",
+            *_table(table, "cadence"),
+            "",
+        ]
+        paired = [
+            (n, e["metrics"]["mean_step_ms"].get("paired_percent"))
+            for n, e in table.items()
+            if e["part"] == "cadence" and n != BASELINE
+        ]
+        costs = [
+            f"`{n}` {e['checkpoint_ms']:.1f} ms, {e['checkpoint_percent']:.2f}% of the step at its cadence"
+            for n, e in table.items()
+            if "checkpoint_ms" in e
+        ]
+        lines += [
+            f"One checkpoint's cost (what an epoch end adds to its step, beyond what it adds in `{BASELINE}`): "
+            + "; ".join(costs)
+            + ".",
+            "",
+        ]
+        lines += [
+            f"Mean step against `{BASELINE}` in the same round, median over the rounds: "
+            + ", ".join(f"`{n}` {p:+.1f}%" for n, p in paired if p is not None)
+            + ".",
+            "",
+        ]
+    if document["targets"]:
+        lines += ["| goal | case | value | bound | status |", "| --- | --- | ---: | ---: | --- |"]
+        for row in document["targets"]:
+            value = "n/a" if row["value"] is None else f"{row['value']:.2f}{row['unit']}"
+            bound = "" if row["bound"] is None else f"{row['bound']:g}{row['unit']}"
+            lines.append(f"| {row['target']} | `{row['case']}` | {value} | {bound} | {row['status']} |")
+    return "\n".join(lines + failure_lines(document)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

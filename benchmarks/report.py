@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,34 +40,82 @@ def summarize(samples: list[float | None]) -> dict[str, Any] | None:
     return {"samples": values, "median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def per_contender(
+    results: list[dict[str, Any]], order: list[str], entry: Callable[[str, list[dict[str, Any]]], dict[str, Any]]
+) -> dict[str, Any]:
+    """``entry(name, its measurements)`` for each name of ``order`` that has measurements, in that order."""
+    runs = {name: [r for r in results if r["contender"] == name] for name in order}
+    return {name: entry(name, of_name) for name, of_name in runs.items() if of_name}
+
+
+def summaries(runs: list[dict[str, Any]], metrics: Iterable[Metric], get: str | None = "metrics") -> dict[str, Any]:
+    """Each metric's :func:`summarize` over ``runs`` (their ``get`` dicts, or themselves; a missing value is no
+    sample)."""
+    return {m.key: summarize([(r[get] if get else r).get(m.key) for r in runs]) for m in metrics}
+
+
+def add_ratios(
+    table: dict[str, Any], baseline: str, ratio_key: str | None = None, skip: Iterable[str] = (), rows: Any = None
+) -> dict[str, Any]:
+    """Each summary's ratio of medians against ``baseline``'s (under ``ratio_key``, default ``ratio_vs_<baseline>``),
+    where both exist, but for the metrics in ``skip`` and the rows not in ``rows`` (default all)."""
+    base = table.get(baseline, {}).get("metrics", {})
+    for name, entry in table.items():
+        for key, summary in entry["metrics"].items():
+            reference = base.get(key)
+            if (rows is None or name in rows) and key not in skip and summary and reference and reference["median"]:
+                summary[ratio_key or "ratio_vs_" + baseline] = summary["median"] / reference["median"]
+    return table
+
+
+def ratio_targets(
+    table: dict[str, Any], baseline: str, judged: Iterable[tuple[str, str, Callable[[float], bool]]], names: Any = None
+) -> list[dict[str, Any]]:
+    """Each target ``(what, metric, check(ratio))`` for every contender of ``names`` (default: all but
+    ``baseline``) in the table: met, missed, or unknown (no ``baseline`` run)."""
+    rows = []
+    for what, key, check in judged:
+        for name in (n for n in table if n != baseline and (names is None or n in names)):
+            summary = table[name]["metrics"][key] or {}
+            ratio = summary.get("ratio_vs_" + baseline)
+            reference = ((table.get(baseline) or {}).get("metrics", {}).get(key) or {}).get("median")
+            status = "unknown" if ratio is None else ("met" if check(ratio) else "missed")
+            rows.append({"target": what, "contender": name, "metric": key, "value": summary.get("median"),
+                         "reference": reference, "ratio": ratio, "status": status})  # fmt: skip
+    return rows
+
+
+def metric_rows(table: dict[str, Any], metrics: tuple[Metric, ...], ratio_key: str | None) -> list[str]:
+    """A markdown table: a row per contender, a :func:`cell` per metric."""
+    lines = ["| contender | " + " | ".join(m.title for m in metrics) + " |", "| --- |" + " ---: |" * len(metrics)]
+    for entry in table.values():
+        cells = [cell(entry["metrics"][m.key], m.fmt, ratio_key) for m in metrics]
+        lines.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def number(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else f"{value:{fmt}}"
+
+
 def build(results: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
     """Per contender and metric: samples, median, spread, and the ratio of medians against the baseline."""
-    table: dict[str, dict[str, Any]] = {}
-    for name in order:
-        runs = [r for r in results if r["contender"] == name]
-        if not runs:
-            continue
-        metrics = {m.key: summarize([r["metrics"][m.key] for r in runs]) for m in METRICS}
-        breakdown = {
-            fit: {k: summarize([r["fits"][fit][k] for r in runs]) for k in BREAKDOWN} for fit in ("fit1", "fit2")
-        }
-        table[name] = {
+
+    def entry(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
             "label": CONTENDERS[name].label,
             "note": CONTENDERS[name].note,
             "repeats": len(runs),
-            "metrics": metrics,
-            "breakdown": breakdown,
+            "metrics": summaries(runs, METRICS),
+            "breakdown": {
+                fit: {k: summarize([r["fits"][fit][k] for r in runs]) for k in BREAKDOWN} for fit in ("fit1", "fit2")
+            },
             # The driver's module held trained weights after the weights-back fit (Ray Train brings
             # them back only there, through a checkpoint).
             "weights_returned": all(r["fits"]["weights"]["weights_changed"] for r in runs),
         }
-    base = table.get(BASELINE)
-    for entry in table.values():
-        for key, summary in entry["metrics"].items():
-            reference = base["metrics"][key] if base else None
-            if summary is not None and reference is not None and reference["median"]:
-                summary["ratio_vs_" + BASELINE] = summary["median"] / reference["median"]
-    return table
+
+    return add_ratios(per_contender(results, order, entry), BASELINE)
 
 
 def _median(table: dict[str, Any], name: str, key: str) -> float | None:
@@ -112,7 +160,8 @@ def cell(summary: dict[str, Any] | None, fmt: str, ratio_key: str = "ratio_vs_" 
     return text
 
 
-def _scaled(summary: dict[str, Any] | None, factor: float) -> dict[str, Any] | None:
+def scaled(summary: dict[str, Any] | None, factor: float) -> dict[str, Any] | None:
+    """``summary`` with every value times ``factor`` (s to ms, say)."""
     if summary is None or factor == 1:
         return summary
     return {k: ([v * factor for v in x] if k == "samples" else x * factor) for k, x in summary.items()}
@@ -132,12 +181,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Cells: median (min–max) ×ratio of medians against {BASELINE}.",
         "",
-        "| contender | " + " | ".join(m.title for m in METRICS) + " |",
-        "| --- |" + " ---: |" * len(METRICS),
     ]
-    for entry in table.values():
-        cells = [cell(entry["metrics"][m.key], m.fmt) for m in METRICS]
-        lines.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
+    lines += metric_rows(table, METRICS, "ratio_vs_" + BASELINE)
     notes = [f"- {entry['label']}: {entry['note']}." for entry in table.values() if entry["note"]]
     lines += ["", *notes] if notes else []
     lines += [
@@ -151,7 +196,7 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for entry in table.values():
         cells = [
-            cell(_scaled(entry["breakdown"][fit][key], 1000 if key == "step_cpu_s" else 1), ".2f")
+            cell(scaled(entry["breakdown"][fit][key], 1000 if key == "step_cpu_s" else 1), ".2f")
             for fit in ("fit1", "fit2")
             for key in BREAKDOWN
         ]

@@ -53,7 +53,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = parse_run_options(parser, argv, CONTENDERS)
     args.spec = sizes_of(args, Spec.tiny() if args.tiny else Spec(), _SIZES)
     args.spec.workers = args.workers
-    sized(args.spec, {"weights_params": args.params})
+    sized(args.spec, {"weights_params": None if args.params is None else int(args.params)})
     return args
 
 
@@ -87,10 +87,10 @@ SpecT = TypeVar("SpecT", bound=Spec)
 
 
 def sized(spec: SpecT, sizes: dict[str, Any]) -> SpecT:
-    """``spec`` with the sizes given on the command line (``None``: keep the spec's own)."""
+    """``spec`` with the sizes given on the command line, as ``argparse`` typed them (``None``: keep the spec's)."""
     for name, value in sizes.items():
         if value is not None:
-            setattr(spec, name, int(value))
+            setattr(spec, name, value)
     return spec
 
 
@@ -361,6 +361,37 @@ def add_sizes(parser: argparse.ArgumentParser, sizes: dict[str, str], kind: type
     """A ``--<size>`` option per entry of ``sizes`` (its help, the default in brackets); None keeps the spec's."""
     for size, help in sizes.items():
         parser.add_argument("--" + size.replace("_", "-"), type=kind, default=None, help=help)
+
+
+def parse(
+    argv: list[str] | None,
+    description: str | None,
+    prefix: str,
+    contenders: Iterable[str],
+    spec_class: Any,
+    sizes: dict[str, str],
+    repeats: tuple[int, str] = (3, "fresh driver processes per contender (default 3)"),
+    floats: dict[str, str] | None = None,
+    options: Iterable[tuple[str, dict[str, Any]]] = (),
+    check: Callable[[argparse.Namespace, Any], str | None] | None = None,
+) -> argparse.Namespace:
+    """A benchmark's command line: ``--repeats``, a ``--<size>`` per entry of ``sizes`` (``floats``: of float sizes),
+    its own ``options`` (flag, ``add_argument``'s keywords), then :func:`add_run_options`. ``args.spec`` is
+    ``spec_class`` (``.tiny()`` with ``--tiny``) with the sizes given; ``check(args, spec)`` may finish it and names
+    what makes the run impossible (the parser fails with it)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=repeats[0], help=repeats[1])
+    add_sizes(parser, sizes)
+    add_sizes(parser, floats or {}, float)
+    for flag, keywords in options:
+        parser.add_argument(flag, **keywords)
+    add_run_options(parser, contenders, f"{prefix}-<start time>")
+    args = parse_run_options(parser, argv, contenders)
+    args.spec = sizes_of(args, spec_class.tiny() if args.tiny else spec_class(), {**sizes, **(floats or {})})
+    problem = check(args, args.spec) if check else None
+    if problem:
+        parser.error(problem)
+    return args
 
 
 def sizes_of(args: argparse.Namespace, spec: SpecT, sizes: Iterable[str]) -> SpecT:

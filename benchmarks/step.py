@@ -26,7 +26,7 @@ import torch
 
 from benchmarks import run
 from benchmarks.contenders import BASELINE, CONTENDERS, GPU_BASELINE, GPU_CONTENDERS
-from benchmarks.report import Metric, cell, summarize
+from benchmarks.report import Metric, add_ratios, metric_rows, per_contender, summaries
 from benchmarks.step_measure import GPU_STEP_CONTENDERS, STEP_CONTENDERS, StepSpec
 from ray_lightning.channel.timings import PHASES
 
@@ -86,19 +86,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def build(results: list[dict[str, Any]], order: list[str], baseline: str = BASELINE) -> dict[str, Any]:
     """Per contender: each metric's samples, median, spread and ratio of medians against ``baseline``."""
-    table = {}
-    for name in order:
-        runs = [r for r in results if r["contender"] == name]
-        if runs:
-            metrics = {m.key: summarize([r["metrics"][m.key] for r in runs]) for m in METRICS}
-            table[name] = {"label": _LABELS[name], "repeats": len(runs), "metrics": metrics}
-    base = table.get(baseline)
-    for entry in table.values():
-        for key, summary in entry["metrics"].items():
-            reference = base["metrics"][key] if base else None
-            if summary is not None and reference is not None and reference["median"]:
-                summary["ratio_vs_" + baseline] = summary["median"] / reference["median"]
-    return table
+
+    def entry(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"label": _LABELS[name], "repeats": len(runs), "metrics": summaries(runs, METRICS)}
+
+    return add_ratios(per_contender(results, order, entry), baseline)
 
 
 def targets(
@@ -128,12 +120,8 @@ def markdown(document: dict[str, Any]) -> str:
         f"Cells: median (min–max) ×ratio of medians against {baseline}. launch = `fit` called → rank 0's "
         "`on_fit_start`; return = rank 0's `on_fit_end` → `fit` returned; step CPU = rank 0's process.",
         "",
-        "| contender | " + " | ".join(m.title for m in METRICS) + " |",
-        "| --- |" + " ---: |" * len(METRICS),
+        *metric_rows(table, METRICS, "ratio_vs_" + baseline),
     ]
-    for entry in table.values():
-        cells = [cell(entry["metrics"][m.key], m.fmt, "ratio_vs_" + baseline) for m in METRICS]
-        lines.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
     if document["targets"]:
         lines += ["", "| target | contender | ratio | status |", "| --- | --- | ---: | --- |"]
         for row in document["targets"]:

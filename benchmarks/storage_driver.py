@@ -13,8 +13,6 @@ RSS, how long each epoch-end checkpoint held its training thread); rank 0 runs t
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import resource
 import statistics
@@ -25,6 +23,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import read_ranks, write_whole
 from benchmarks.measure import _fit_metrics, _peak_rss_mb, measurement_main
 from benchmarks.sharded_measure import MemorySampler
 from benchmarks.sharded_workload import Block, ShardedModule, ShardedSpec
@@ -273,20 +272,7 @@ class CheckpointProbe(pl.Callback):
             "wrapped": self.wrapped,
             "uploads_blocked_s": waited,
         }
-        path = f"{self.prefix}.rank{trainer.global_rank}.json"
-        with open(path + ".partial", "w") as f:
-            json.dump(record, f)
-        os.replace(path + ".partial", path)
-
-
-def read_ranks(prefix: str) -> dict[int, dict[str, Any]]:
-    """Every rank's probe file, by rank."""
-    records = {}
-    for path in glob.glob(f"{prefix}.rank*.json"):
-        with open(path) as f:
-            record = json.load(f)
-        records[record["rank"]] = record
-    return records
+        write_whole(f"{self.prefix}.rank{trainer.global_rank}.json", record)
 
 
 def _trainer_arguments(sizes: Spec, epochs: int) -> dict[str, Any]:

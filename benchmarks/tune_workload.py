@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.workload import Spec, pl
+from benchmarks.workload import Spec, mlp, pl
 
 
 @dataclass
@@ -71,13 +70,7 @@ class TuneModule(pl.LightningModule):
         super().__init__()
         self.spec, self.lr = spec, lr
         torch.manual_seed(spec.seed)  # the same initial weights in every trial, rank and contender
-        self.net = nn.Sequential(
-            nn.Linear(spec.features, spec.hidden),
-            nn.ReLU(),
-            nn.Linear(spec.hidden, spec.hidden),
-            nn.ReLU(),
-            nn.Linear(spec.hidden, spec.classes),
-        )
+        self.net = mlp(spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

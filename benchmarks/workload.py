@@ -10,13 +10,15 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
+
+from benchmarks import JsonSpec, write_whole
 
 # Ray Train's Lightning utilities use `lightning.pytorch` whenever the `lightning` package is
 # installed, and its strategy is refused by a `pytorch_lightning` Trainer (ray-project/ray#47089).
@@ -32,7 +34,7 @@ _FROZEN_CHUNK = 10_000_000
 
 
 @dataclass
-class Spec:
+class Spec(JsonSpec):
     """The sizes of one benchmark run; sent as JSON to each driver process."""
 
     workers: int = 2
@@ -60,17 +62,20 @@ class Spec:
         return cls(batch_size=16, features=32, hidden=64, classes=4, steps=6, warmup=2, weights_params=1_000_000,
                    smoke=True)  # fmt: skip
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> Spec:
-        data = json.loads(text)
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
-
 
 def _seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def mlp(spec: Any) -> nn.Sequential:
+    """The benchmarks' MLP: ``features`` → ``hidden`` → ``hidden`` → ``classes``, ReLU between."""
+    return nn.Sequential(
+        nn.Linear(spec.features, spec.hidden),
+        nn.ReLU(),
+        nn.Linear(spec.hidden, spec.hidden),
+        nn.ReLU(),
+        nn.Linear(spec.hidden, spec.classes),
+    )
 
 
 class BenchModule(pl.LightningModule):
@@ -80,13 +85,7 @@ class BenchModule(pl.LightningModule):
         super().__init__()
         self.spec = spec
         g = _seeded(spec.seed)
-        self.net = nn.Sequential(
-            nn.Linear(spec.features, spec.hidden),
-            nn.ReLU(),
-            nn.Linear(spec.hidden, spec.hidden),
-            nn.ReLU(),
-            nn.Linear(spec.hidden, spec.classes),
-        )
+        self.net = mlp(spec)
         with torch.no_grad():
             for p in self.net.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
@@ -195,10 +194,7 @@ class StepClock(pl.Callback):
             "threads": torch.get_num_threads(),
             "pid": os.getpid(),
         }
-        partial = self.path + ".partial"
-        with open(partial, "w") as f:
-            json.dump(record, f)
-        os.replace(partial, self.path)  # the driver never reads half a file
+        write_whole(self.path, record)
 
 
 def read_clock(path: str) -> dict[str, Any]:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.data import METRICS
 from benchmarks.data_driver import CPU_GROUPS
-from benchmarks.data_report import METRICS
 from tests.benchmark_runs import run_benchmark
 
 SMOKE_CONTENDERS = ("ray_data", "ray_train", "torch_loader", "restart_at_10")

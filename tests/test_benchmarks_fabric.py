@@ -12,8 +12,8 @@ import math
 
 import pytest
 
+from benchmarks.fabric import METRICS, TARGETS
 from benchmarks.fabric_measure import BASELINE, CONTENDERS, LAUNCHES
-from benchmarks.fabric_report import METRICS, TARGETS
 from tests.benchmark_runs import check_every_metric, run_benchmark
 
 # Two fresh driver processes of two tiny launches each: about a minute on 2 quiet cores.

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.recovery import BASELINE, METRICS, PERCENT_KEYS
 from benchmarks.recovery_driver import CASES
-from benchmarks.recovery_report import BASELINE, METRICS, PERCENT_KEYS
 from tests.benchmark_runs import run_benchmark
 
 # Seven fits, two of them Ray Train's (a controller and worker group per start, twice): minutes on 2 busy cores.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.sharded_report import METRICS
+from benchmarks.sharded import METRICS
 from benchmarks.sharded_workload import BARE, BASELINE, CONTENDERS, OURS
 from tests.conftest import ROOT
 

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
+from benchmarks.tune import METRICS, TARGETS
 from benchmarks.tune_measure import BASELINE, CONTENDERS
-from benchmarks.tune_report import METRICS, TARGETS
 from tests.benchmark_runs import check_every_metric, run_benchmark
 
 # The benchmark starts its own Ray cluster in a subprocess (never the tests' Ray); two tiny searches.
