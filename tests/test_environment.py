@@ -102,7 +102,7 @@ def test_mixed_precision_built_on_a_driver_without_cuda_is_rebuilt_for_a_cuda_wo
 
     from lightning.fabric.plugins.precision import MixedPrecision
 
-    from ray_lightning.strategies.workers import mixed_precision_is_stale
+    from ray_lightning.strategies.in_worker import mixed_precision_is_stale
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns that CUDA is not available

@@ -16,7 +16,8 @@ from ray_lightning.environment import RayEnvironment
 from ray_lightning.home import files, loggers, storage
 from ray_lightning.namespaces import Namespace
 from ray_lightning.runtime import WorkerContext
-from ray_lightning.strategies.workers import RayWorkersMixin, mixed_precision_is_stale
+from ray_lightning.strategies.in_worker import mixed_precision_is_stale
+from ray_lightning.strategies.workers import RayWorkersMixin
 
 
 class RayFabricWorkers(_lightning.fabric.FabricStrategyHooks, RayWorkersMixin):

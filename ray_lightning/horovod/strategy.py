@@ -37,8 +37,9 @@ from ray_lightning.horovod.optim import horovod_op, retarget_scheduler, writable
 from ray_lightning.horovod.rendezvous import HorovodRendezvous
 from ray_lightning.launch.rendezvous import Rendezvous
 from ray_lightning.strategies import accelerator
+from ray_lightning.strategies.arguments import worker_arguments
 from ray_lightning.strategies.ddp import RayAccelerator
-from ray_lightning.strategies.workers import RayWorkersMixin, float_for_mean, worker_arguments
+from ray_lightning.strategies.workers import RayWorkersMixin, float_for_mean
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl

@@ -20,7 +20,8 @@ from ray_lightning._torch import allreduce_wait_probe
 from ray_lightning.config.arguments import check_keywords, refuse_decided
 from ray_lightning.config.resources import WorkerResources
 from ray_lightning.strategies import accelerator
-from ray_lightning.strategies.workers import RayWorkersMixin, worker_arguments
+from ray_lightning.strategies.arguments import worker_arguments
+from ray_lightning.strategies.workers import RayWorkersMixin
 
 # Arguments of DDPStrategy and DistributedDataParallel that RayStrategy (or Lightning in the
 # worker) decides, and why.

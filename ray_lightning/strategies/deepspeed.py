@@ -40,9 +40,10 @@ from ray_lightning import runtime
 from ray_lightning.config.arguments import check_keywords, refuse_decided
 from ray_lightning.config.resources import WorkerResources
 from ray_lightning.strategies import accelerator
+from ray_lightning.strategies.arguments import worker_arguments
 from ray_lightning.strategies.ddp import RayAccelerator
 from ray_lightning.strategies.sharded import RankPartsMixin, check_sharding_arguments
-from ray_lightning.strategies.workers import RayWorkersMixin, worker_arguments
+from ray_lightning.strategies.workers import RayWorkersMixin
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
