@@ -27,9 +27,10 @@ from ray_lightning.config.arguments import check_keywords, refuse_decided
 from ray_lightning.config.resources import WorkerResources
 from ray_lightning.runtime import WorkerContext
 from ray_lightning.strategies import accelerator
+from ray_lightning.strategies.arguments import worker_arguments
 from ray_lightning.strategies.ddp import RayAccelerator
 from ray_lightning.strategies.sharded import FullCheckpointsMixin, check_sharding_arguments
-from ray_lightning.strategies.workers import RayWorkersMixin, worker_arguments
+from ray_lightning.strategies.workers import RayWorkersMixin
 
 _DECIDED = {
     "accelerator": "from the GPUs the workers reserve",

@@ -21,9 +21,10 @@ from typing_extensions import override
 
 from ray_lightning import _lightning, runtime
 from ray_lightning.strategies import accelerator
+from ray_lightning.strategies.arguments import worker_arguments
 from ray_lightning.strategies.ddp import RayAccelerator
 from ray_lightning.strategies.sharded import ShardedWorkersMixin, check_sharding_arguments, require_sharding_torch
-from ray_lightning.strategies.workers import RayWorkersMixin, worker_arguments
+from ray_lightning.strategies.workers import RayWorkersMixin
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl

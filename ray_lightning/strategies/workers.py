@@ -35,15 +35,11 @@ from ray_lightning.launch.launcher import RayLauncher
 from ray_lightning.launch.rendezvous import Rendezvous, TorchStoreRendezvous
 from ray_lightning.runtime import WorkerContext
 from ray_lightning.strategies.accelerator import WorkerAccelerator
-from ray_lightning.strategies.arguments import worker_arguments
 from ray_lightning.strategies.checkpoints import WorkerCheckpoints
 from ray_lightning.strategies.in_worker import InWorker
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
-
-# worker_arguments is imported from here by strategies.fsdp, fsdp1 and model_parallel (its home: .arguments).
-__all__ = ["RayWorkersMixin", "float_for_mean", "worker_arguments"]
 
 
 def _tune_trial_id() -> str | None:
