@@ -161,23 +161,30 @@ FAST_FITS = {
     "tests/test_training.py::test_best_checkpoint_loads_on_driver",
     "tests/test_docs.py::test_the_pages_python_runs[docs/getting-started.md]",
 }
-# Modules whose tests start processes of their own (scripts, kernels, clusters) without the shared Ray.
-SLOW_MODULES = {
-    "test_benchmark_crashes",
-    "test_cli",
-    "test_docs",
-    "test_failures",
-    "test_hydra_app",
-    "test_lint",
-    "test_notebook",
-    "test_placement_autoscaling",
-    "test_autoscaling",
-}
+# What in a test's own code starts processes: clusters of several nodes, scripts, kernels, venvs.
+STARTS_PROCESSES = ("ray_local", "ray.init", "connected_cluster", "Cluster(", "subprocess", "sys.executable", "kernel")
+SLOW_MODULES = {"test_docs", "test_lint", "test_namespaces", "test_cluster_cli", "test_dev_gpu"}
+
+
+def _starts_processes(item) -> bool:
+    """Whether the test's own code or one of its fixtures' starts Ray, a cluster or another Python."""
+    import inspect
+
+    functions = [item.function]
+    for definitions in item._fixtureinfo.name2fixturedefs.values():
+        functions += [definition.func for definition in definitions if definition.baseid]  # ours, not pytest's
+    try:
+        sources = [inspect.getsource(f) for f in functions]
+    except (OSError, TypeError):
+        return True
+    return any(mark in source for source in sources for mark in STARTS_PROCESSES)
 
 
 def pytest_collection_modifyitems(config, items):
+    if "fast" not in (config.getoption("markexpr") or ""):
+        return
     for item in items:
         module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
-        unit = "ray_local" not in getattr(item, "fixturenames", ()) and module not in SLOW_MODULES
-        if item.nodeid in FAST_FITS or (unit and not module.startswith("test_benchmarks")):
+        unit = module not in SLOW_MODULES and not module.startswith("test_benchmark") and not _starts_processes(item)
+        if item.nodeid in FAST_FITS or unit:
             item.add_marker(pytest.mark.fast)
