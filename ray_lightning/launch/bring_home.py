@@ -1,5 +1,5 @@
 """What comes to the driver after a call: rank 0's results and files onto the Trainer, the trained weights a chunk
-at a time (:func:`weight_chunks`), and after a failure what rank 0 had written on its node.
+at a time (:func:`weight_chunks`), the step times, and after a failure what rank 0 had written on its node.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ray_lightning import namespaces
+from ray_lightning.channel.timings import startup_breakdown, table
 from ray_lightning.home import files
 from ray_lightning.home.predictions import merge_predictions
 from ray_lightning.home.results import WorkerOutput, apply_to_driver
@@ -28,6 +29,19 @@ class BringsHome:
 
     _strategy: LaunchedStrategy
     transferred_files: list[str]
+
+    def _publish_times(self, attempt: Attempt, call: DriverCall) -> None:
+        """The call's step times and start-up on the strategy (``timings``, ``startup``); the times' table, once."""
+        strategy = self._strategy
+        if attempt.watchdog is None or not hasattr(strategy, "timings"):
+            return  # Fabric's strategies: no training loop to time
+        timings = attempt.watchdog.times.result()
+        # In place: a strategy rebuilt for the other Lightning namespace shares them with the caller's.
+        strategy.timings.clear()
+        strategy.timings.update(timings)
+        strategy.startup[:] = startup_breakdown(call.marks, attempt.watchdog.startup_marks.get(0, {}))
+        if any(t.steps for t in timings.values()):
+            log.info("%s", table(timings))
 
     def _bring_home(self, attempt: Attempt, trainer: pl.Trainer | None, call: DriverCall) -> Any:
         outputs = attempt.outputs or []

@@ -35,7 +35,6 @@ from ray.util.placement_group import get_current_placement_group
 from typing_extensions import override
 
 from ray_lightning import _lightning, namespaces
-from ray_lightning.channel.timings import startup_breakdown, table
 from ray_lightning.channel.worker_output import output_sync
 from ray_lightning.config.elastic import ElasticSettings
 from ray_lightning.environment import RayEnvironment
@@ -195,19 +194,6 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
             call.recovery.close()
             if call.growth is not None:
                 call.growth.close()
-
-    def _publish_times(self, attempt: Attempt, call: DriverCall) -> None:
-        """The call's step times and start-up on the strategy (``timings``, ``startup``); the times' table, once."""
-        strategy = self._strategy
-        if attempt.watchdog is None or not hasattr(strategy, "timings"):
-            return  # Fabric's strategies: no training loop to time
-        timings = attempt.watchdog.times.result()
-        # In place: a strategy rebuilt for the other Lightning namespace shares them with the caller's.
-        strategy.timings.clear()
-        strategy.timings.update(timings)
-        strategy.startup[:] = startup_breakdown(call.marks, attempt.watchdog.startup_marks.get(0, {}))
-        if any(t.steps for t in timings.values()):
-            log.info("%s", table(timings))
 
     def _elastic(self, trainer: pl.Trainer | None) -> ElasticSettings | None:
         """The elastic settings a call uses: a Trainer's fit outside a Tune trial (whose bundles are fixed)."""
