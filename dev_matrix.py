@@ -4,8 +4,8 @@ The torch corners (``torch2.4``...) also run the tests their torch enables (``Co
 
 Each combination gets one venv, kept per machine in ``$RAY_LIGHTNING_MATRIX_CACHE`` (default
 ``~/.cache/ray_lightning/matrix``) and rebuilt only when its requirements change. The checkout is put
-on ``PYTHONPATH`` instead of being installed, so one venv serves every clone. Results go into the
-versions page (docs/versions.md) between ``<!-- matrix:start -->`` and ``<!-- matrix:end -->``, with the date they were taken.
+on ``PYTHONPATH`` instead of being installed, so one venv serves every clone. Results go into
+docs/versions.md between ``<!-- matrix:start -->`` and ``<!-- matrix:end -->``, with the date they were taken.
 
 torch: 2.13.0 is installed from its CPU wheel. A newer torch exists on PyPI only as a CUDA build of
 several GB, so it is installed once into ``torch-<version>/`` beside the venvs and shared by them
