@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import os
 import signal
 import time
@@ -401,7 +402,7 @@ def fabric_trial(config):
 def test_a_fabric_launch_in_a_tune_trial_reports_metrics_and_checkpoints_from_its_function(tmp_path):
     from ray import tune
 
-    from ray_lightning.tune import get_tune_resources
+    from ray_lightning.tune import MARKER_FILE, get_tune_resources
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -417,4 +418,7 @@ def test_a_fabric_launch_in_a_tune_trial_reports_metrics_and_checkpoints_from_it
     assert trial.last_result["total"] == 30.0 and trial.last_result["step"] == 2, trial.last_result
     saved = torch.load(os.path.join(trial.checkpoint.path, "fabric-tune.ckpt"), weights_only=False)
     assert saved == {"step": 2}
+    # Rank 0 copied the file into Tune's folder itself: nothing of it went through the trial's process.
+    with open(os.path.join(trial.checkpoint.path, MARKER_FILE)) as f:
+        assert json.load(f) == {"filename": "fabric-tune.ckpt", "written_by": "ranks"}
     wait_for(lambda: not alive_worker_actors(), 30, "the trial's workers to be stopped")

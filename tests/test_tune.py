@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 
@@ -186,6 +187,8 @@ def test_a_sharded_trial_checkpoint_is_written_by_every_rank_into_tunes_folder_a
     # Tune's checkpoint folder holds the ranks' own shards (one file per rank: never gathered) and the note Tune
     # was handed; nothing of the checkpoint went through the trial's process.
     assert sorted(os.listdir(trial.checkpoint.path)) == sorted([MARKER_FILE, "model.ckpt"])
+    with open(os.path.join(trial.checkpoint.path, MARKER_FILE)) as f:
+        assert json.load(f)["written_by"] == "ranks"
     folder = os.path.join(trial.checkpoint.path, "model.ckpt")
     assert sorted(f for f in os.listdir(folder) if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert torch.load(os.path.join(folder, "meta.pt"), weights_only=False)["epoch"] == 2

@@ -66,6 +66,38 @@ def ranks_write_to_tune_storage() -> bool:
     return url is not None
 
 
+# The Tune function runs (threads of the trial's process) whose storage the ranks were found not to reach: their
+# checkpoints go through this process, and the check (a probe written and looked for) is not repeated per report.
+_runs_through_trial: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def folder_for_rank_zero() -> str | None:
+    """On the trial's process, asked by a Fabric function's rank 0 before it reports a checkpoint: the folder Tune
+    keeps the next one in, where rank 0 copies its file itself; None where it cannot (then it sends the bytes)."""
+    run = threading.current_thread()
+    if run in _runs_through_trial:
+        return None
+    if not ranks_write_to_tune_storage():
+        _runs_through_trial.add(run)
+        return None
+    return next_checkpoint_folder()
+
+
+def sees_rank_zeros_copy(location: str) -> bool:
+    """On the trial's process, asked by a Fabric function's rank 0 after copying its checkpoint: whether this
+    process sees it; if not, this run's checkpoints go through this process from now on (with a warning)."""
+    if sees(location, sharded=False):
+        return True
+    _runs_through_trial.add(threading.current_thread())
+    warnings.warn(
+        f"ray_lightning.tune: the trial's process does not see the checkpoint rank 0 copied to {location} (Tune's "
+        "storage_path is a local directory the workers' machines do not share): this trial's checkpoints go through "
+        "the trial's process as bytes. Use a bucket or a directory every node mounts.",
+        stacklevel=2,
+    )
+    return False
+
+
 def next_checkpoint_folder() -> str:
     """On the trial's process, asked by rank 0: the folder Tune keeps the next reported checkpoint in, emptied of
     what an earlier attempt may have left there."""
@@ -168,7 +200,8 @@ def _report(metrics: dict[str, Any], checkpoint: tuple[str, bytes | None] | None
             with open(path, "wb") as f:
                 f.write(data)
         with open(os.path.join(directory, MARKER_FILE), "w") as f:
-            json.dump({"filename": filename}, f)
+            # written_by: where the checkpoint's bytes went to Tune's storage from (the ranks, or this process).
+            json.dump({"filename": filename, "written_by": "trial" if data is not None else "ranks"}, f)
         # Tune copies the directory into the trial's storage before report returns (only the files it holds:
         # a checkpoint the ranks wrote into that folder stays beside them).
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(directory))
