@@ -11,7 +11,7 @@
     python3 dev.py bench step       # a step of ~8 ms and the first fit: RayStrategy against ddp_spawn
     python3 dev.py bench tune       # a PBT search on Ray Tune: ray_lightning's Tune support against Ray Train v2
     python3 dev.py bench elastic    # a spot node lost and back: elastic RayStrategy against a fixed size and Ray Train
-    python3 dev.py matrix    # the smoke tests on every corner of the supported version window (README table)
+    python3 dev.py matrix    # the smoke tests on every corner of the supported version window (docs/versions.md)
     python3 dev.py gpu       # on a machine with CUDA: every GPU test and the GPU benchmarks, one report
 
 Extra arguments go to the example script or to pytest (`python3 dev.py example --horovod`);
@@ -27,7 +27,7 @@ instead of `pytorch_lightning` (both are installed in `.venv/`).
 
 `matrix` keeps one venv per combination of the version window (MATRIX below) in
 `~/.cache/ray_lightning/matrix/` (per machine, like Horovod's wheel), runs tests/test_namespaces.py in
-each with this checkout on PYTHONPATH, and writes the table between the README's matrix markers.
+each with this checkout on PYTHONPATH, and writes the table between the matrix markers of docs/versions.md.
 `matrix NAME...` runs only those combinations. `test` ends with the oldest corner (MATRIX_IN_TEST).
 
 `gpu` (dev_gpu.py) creates no venv: it uses the Python that runs dev.py and what is installed for it, with no

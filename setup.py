@@ -12,7 +12,7 @@ setup(
     # Lightning comes as two packages, `lightning` (lightning.pytorch) and `pytorch-lightning`
     # (pytorch_lightning); ray_lightning works with either or both, so it requires neither and never
     # replaces the one a user has: the extras below install one. Lower bounds only: the tested window
-    # is Lightning 2.4-2.6, Ray 2.50-2.60, torch 2.4-2.15 (README table; RayFSDPStrategy and
+    # is Lightning 2.4-2.6, Ray 2.50-2.60, torch 2.4-2.15 (docs/versions.md; RayFSDPStrategy and
     # RayModelParallelStrategy need torch 2.6), and a newer release is not downgraded by installing this package.
     install_requires=[
         "torch>=2.4",
@@ -21,7 +21,7 @@ setup(
     extras_require={
         "lightning": ["lightning>=2.4"],
         "pytorch-lightning": ["pytorch-lightning>=2.4"],
-        # Horovod 0.28.1 must be built with C++17 to compile against torch >= 2.1 (README:
+        # Horovod 0.28.1 must be built with C++17 to compile against torch >= 2.1 (docs/horovod.md:
         # "Installing Horovod"); where it is already installed this extra only checks the version.
         "horovod": ["horovod>=0.28.1"],
         # RayDeepSpeedStrategy (Lightning needs DeepSpeed >= 0.16 with torch >= 2.6). Where torch must not be

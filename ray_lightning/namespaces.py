@@ -76,7 +76,7 @@ class Namespace:
         return self.trainer_package
 
 
-# The oldest releases ray_lightning works with (the README's table tests them).
+# The oldest releases ray_lightning works with (docs/versions.md's table tests them).
 MINIMUM_LIGHTNING = (2, 4)
 MINIMUM_RAY = (2, 50)
 MINIMUM_TORCH = (2, 4)

@@ -11,8 +11,8 @@ from ray_lightning.launch.network import interface_for
 
 INSTALL_HINT = (
     "HorovodRayStrategy needs Horovod built with PyTorch and Gloo support. From a ray_lightning checkout, "
-    "`python3 dev.py test` builds and caches it; elsewhere build Horovod 0.28.1 as the README's "
-    "'Installing Horovod' section shows (torch >= 2.1 needs it compiled as C++17), then "
+    "`python3 dev.py test` builds and caches it; elsewhere build Horovod 0.28.1 as the documentation's "
+    "'Installing Horovod' (docs/horovod.md) shows (torch >= 2.1 needs it compiled as C++17), then "
     "`pip install ray_lightning[horovod]`."
 )
 
