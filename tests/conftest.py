@@ -162,8 +162,19 @@ FAST_FITS = {
     "tests/test_docs.py::test_the_pages_python_runs[docs/getting-started.md]",
 }
 # What in a test's own code starts processes: clusters of several nodes, scripts, kernels, venvs.
-STARTS_PROCESSES = ("ray_local", "ray.init", "connected_cluster", "Cluster(", "subprocess", "sys.executable", "kernel")
-SLOW_MODULES = {"test_docs", "test_lint", "test_namespaces", "test_cluster_cli", "test_dev_gpu"}
+STARTS_PROCESSES = ("ray_local", "ray.init", "connected_cluster", "Cluster(", "subprocess", "sys.executable", "gloo")
+# Modules whose tests start scripts, kernels or venvs through helpers of their own.
+SLOW_MODULES = {
+    "test_cli",
+    "test_cluster_cli",
+    "test_dev_gpu",
+    "test_docs",
+    "test_hydra_app",
+    "test_lint",
+    "test_namespaces",
+    "test_notebook",
+    "test_stacks",
+}
 
 
 def _starts_processes(item) -> bool:
