@@ -69,7 +69,8 @@ def _seed(page_text: str) -> dict:
 
         def __init__(self, dim: int = 8, lr: float = 0.05, batch_size: int = 8, size: int = 64) -> None:
             pl_of_page.LightningModule.__init__(self)
-            self.save_hyperparameters()
+            # Explicit: Lightning finds __init__'s arguments through a __class__ cell, which this function has not.
+            self.save_hyperparameters({"dim": dim, "lr": lr, "batch_size": batch_size, "size": size})
             self.layer = __import__("torch").nn.Linear(dim, 1)
 
         module_class = type("MyLightningModule", (pl_of_page.LightningModule,), {**methods, "__init__": __init__})
