@@ -6,6 +6,7 @@ A link to a file that does not exist stays a link, and the strict build fails on
 
 from __future__ import annotations
 
+import posixpath
 import re
 from pathlib import Path
 
@@ -39,14 +40,7 @@ def _link(match: re.Match, here: Path, files: Files) -> str:
     text, target = match.group(1), match.group(2)
     if "://" in target or target.startswith("mailto:"):
         return match.group(0)
-    in_site = (here / target).as_posix()
-    parts: list[str] = []
-    for part in in_site.split("/"):
-        if part == ".." and parts and parts[-1] != "..":
-            parts.pop()
-        elif part not in (".", ""):
-            parts.append(part)
-    uri = "/".join(parts)
+    uri = posixpath.normpath((here / target).as_posix())
     if files.get_file_from_path(uri) is not None:
         return match.group(0)
     # docs/ pages sit one folder below the repository root; the other sources sit where they are.

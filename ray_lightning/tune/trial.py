@@ -66,21 +66,18 @@ def ranks_write_to_tune_storage() -> bool:
     return url is not None
 
 
-# The Tune function runs (threads of the trial's process) whose storage the ranks were found not to reach: their
-# checkpoints go through this process, and the check (a probe written and looked for) is not repeated per report.
-_runs_through_trial: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+# Per Tune function run (a thread of the trial's process): whether its Fabric rank 0 copies checkpoints into Tune's
+# storage itself. Decided at its first report (a probe written and looked for), not again at every report.
+_rank_zero_copies: weakref.WeakKeyDictionary[threading.Thread, bool] = weakref.WeakKeyDictionary()
 
 
 def folder_for_rank_zero() -> str | None:
     """On the trial's process, asked by a Fabric function's rank 0 before it reports a checkpoint: the folder Tune
     keeps the next one in, where rank 0 copies its file itself; None where it cannot (then it sends the bytes)."""
     run = threading.current_thread()
-    if run in _runs_through_trial:
-        return None
-    if not ranks_write_to_tune_storage():
-        _runs_through_trial.add(run)
-        return None
-    return next_checkpoint_folder()
+    if run not in _rank_zero_copies:
+        _rank_zero_copies[run] = ranks_write_to_tune_storage()
+    return next_checkpoint_folder() if _rank_zero_copies[run] else None
 
 
 def sees_rank_zeros_copy(location: str) -> bool:
@@ -88,7 +85,7 @@ def sees_rank_zeros_copy(location: str) -> bool:
     process sees it; if not, this run's checkpoints go through this process from now on (with a warning)."""
     if sees(location, sharded=False):
         return True
-    _runs_through_trial.add(threading.current_thread())
+    _rank_zero_copies[threading.current_thread()] = False
     warnings.warn(
         f"ray_lightning.tune: the trial's process does not see the checkpoint rank 0 copied to {location} (Tune's "
         "storage_path is a local directory the workers' machines do not share): this trial's checkpoints go through "
