@@ -259,10 +259,12 @@ def _full_cluster(cluster: Any, spec: ElasticSpec) -> None:
 
 
 def _kill_drivers() -> None:
-    """SIGKILL the process group of each driver process this harness started (each in a session of its own)."""
-    for child in psutil.Process().children():
+    """SIGKILL the process group of each driver process this harness started (each in a session of its own; with
+    tiny sizes, forked by the warm process of :class:`benchmarks.measure.WarmDriver`, whose command line it has)."""
+    for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error, ProcessLookupError):
-            if "benchmarks.elastic_driver" in child.cmdline():
+            command = child.cmdline()
+            if ("benchmarks.elastic_driver" in command or "--warm" in command) and os.getpgid(child.pid) == child.pid:
                 os.killpg(child.pid, signal.SIGKILL)
 
 

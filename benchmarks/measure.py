@@ -18,11 +18,19 @@ With tiny sizes (``spec.smoke``) the weights-back fit is fit #2 itself (:func:`f
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import json
 import os
 import resource
+import runpy
+import select
+import signal
 import statistics
+import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -158,7 +166,114 @@ def _launched_by_lightning_ddp() -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if argv is None and sys.argv[1:] == ["--warm"]:
+        return _warm_server()
     measurement_main(argv, __doc__, CONTENDERS, Spec, measure)
+
+
+# -- Tiny sizes: warm drivers. A driver process spends ~7 CPU-s importing torch, Lightning, Ray and ray_lightning
+# before it measures anything, once per measurement; a smoke run, which measures nothing, has tens of them. With
+# tiny sizes the harness instead starts one process that imports those once (``python -m benchmarks.measure
+# --warm``, at the first measurement: after the Ray cluster started, with the environment a driver gets, as Ray
+# reads its authentication token at import) and forks each driver from it: still a fresh process per measurement
+# (its own pid, session and log; Ray not initialized in it), running ``python -m <entry>``'s code as ``__main__``.
+# The real runs start every driver with ``python -m <entry>`` (:func:`benchmarks.run.measure_once`).
+_PRELOAD = ("lightning.pytorch", "ray", "ray_lightning", "ray.train.torch", "ray.train.lightning")
+
+
+def _warm_server() -> None:
+    """Imports :data:`_PRELOAD`, then per request line ``{"entry", "args", "log", "env"}`` on stdin imports the
+    entry module, forks a driver, answers ``{"pid"}``, waits for it and answers ``{"code"}`` (as
+    ``Popen.returncode``); ends at EOF."""
+    for name in _PRELOAD:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    for line in sys.stdin:
+        request = json.loads(line)
+        with contextlib.suppress(Exception):  # where it fails, the driver fails the same way and logs why
+            importlib.import_module(request["entry"])
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            _forked_driver(request["entry"], request)
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"code": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+def _forked_driver(entry: str, request: dict[str, Any]) -> None:
+    """In the forked child: its own session, its log as stdout and stderr, then ``python -m entry *args``."""
+    code = 1
+    try:
+        os.setsid()
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [entry, *request["args"]]
+        runpy.run_module(entry, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else int(done.code is not None)
+    except BaseException:  # noqa: BLE001 - reported in the driver's log, as an uncaught exception would be
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class WarmDriver:
+    """The harness's side of :func:`_warm_server`: :meth:`run` is ``Popen(python -m entry *args).wait(timeout)``."""
+
+    _started: WarmDriver | None = None
+
+    def __init__(self, env: dict[str, str], cwd: str) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "benchmarks.measure", "--warm"], cwd=cwd, env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)  # fmt: skip
+
+    @staticmethod
+    def wanted(spec_path: str) -> bool:
+        """Whether the sizes at ``spec_path`` are tiny (``smoke``); a file that is not there: no."""
+        try:
+            with open(spec_path) as f:
+                return bool(json.load(f).get("smoke"))
+        except (OSError, ValueError):
+            return False
+
+    @classmethod
+    def of(cls, env: dict[str, str], cwd: str) -> WarmDriver:
+        """The warm process, started at its first use (it ends when this process closes its stdin, at exit)."""
+        if cls._started is None or cls._started.process.poll() is not None:
+            cls._started = cls(env, cwd)
+        return cls._started
+
+    def run(self, entry: str, args: list[str], log_path: str, env: dict[str, str], timeout: float) -> int | None:
+        """A driver forked with ``args``: its exit code, None past ``timeout``; its process group is killed after."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        request = {"entry": entry, "args": args, "log": log_path, "env": env}
+        self.process.stdin.write((json.dumps(request) + "\n").encode())
+        pid = self._answer()["pid"]
+        try:
+            if not select.select([self.process.stdout], [], [], timeout)[0]:
+                os.killpg(pid, signal.SIGKILL)
+                self._answer()
+                return None
+            return self._answer()["code"]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+
+    def _answer(self) -> dict[str, Any]:
+        line = b""
+        while not line.endswith(b"\n"):
+            byte = self.process.stdout.read(1)  # type: ignore[union-attr]
+            if not byte:
+                raise RuntimeError(f"the warm driver process ended (exit code {self.process.wait()})")
+            line += byte
+        return json.loads(line)
 
 
 def measurement_main(

@@ -183,8 +183,15 @@ def measure_once(
     timeout: float,
     entry: str = "benchmarks.measure",
 ):
-    """One contender in a fresh driver process (``python -m entry``); returns its measurement or raises with the
-    end of its log."""
+    """One contender in a fresh driver process (``python -m entry``; with tiny sizes forked from a warm process,
+    :class:`benchmarks.measure.WarmDriver`); returns its measurement or raises with the end of its log."""
+    from benchmarks.measure import WarmDriver
+
+    if WarmDriver.wanted(spec_path):
+        args = ["--contender", name, "--spec", spec_path, "--result", result_path]
+        warm = WarmDriver.of({**os.environ, **env}, str(ROOT))
+        returncode = warm.run(entry, args, log_path, {**os.environ, **env}, timeout)
+        return _measurement(name, result_path, log_path, returncode, timeout)
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", entry, "--contender", name, "--spec", spec_path,
@@ -201,6 +208,10 @@ def measure_once(
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+    return _measurement(name, result_path, log_path, returncode, timeout)
+
+
+def _measurement(name: str, result_path: str, log_path: str, returncode: int | None, timeout: float) -> Any:
     if returncode == 0 and os.path.isfile(result_path):
         with open(result_path) as f:
             return json.load(f)
