@@ -178,7 +178,9 @@ def test_two_of_three_workers_keep_the_global_batch_of_three(ray_local, strategy
 
 
 class WaitsForRoom(LogsBatch):
-    """On two workers, rank 0 waits at its first batch (bounded) until the test freed room for a third."""
+    """On two workers, rank 0 waits at its first batch (bounded) until the test freed room for a third, and at epoch
+    1's first batch until the driver decided to grow (its checkpoint is written beside training, so epoch 1 could
+    otherwise end before the driver heard of it)."""
 
     def __init__(self, directory: str) -> None:
         super().__init__()
@@ -188,12 +190,14 @@ class WaitsForRoom(LogsBatch):
         if self.trainer.world_size == 2 and self.global_rank == 0 and (self.current_epoch, batch_idx) == (0, 0):
             (Path(self.directory) / "asked").touch()
             wait_for(lambda: (Path(self.directory) / "freed").exists(), 120, "the test to free room for a worker")
+        if self.trainer.world_size == 2 and self.global_rank == 0 and (self.current_epoch, batch_idx) == (1, 0):
+            wait_for(lambda: (Path(self.directory) / "grown").exists(), 120, "the driver to grow the fit")
         return super().training_step(batch, batch_idx)
 
 
 def test_a_sharded_fit_grows_from_two_to_three_workers_at_an_epoch_end(ray_local, no_waiting_workers, tmp_path):
     """Room for a third worker (another job's reservation ends) during epoch 0: epoch 1 runs on three, resumed from
-    the checkpoint gathered on rank 0 by two."""
+    the checkpoint the two ranks wrote, a shard each."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from ray_lightning import RayFSDPStrategy
@@ -214,6 +218,8 @@ def test_a_sharded_fit_grows_from_two_to_three_workers_at_an_epoch_end(ray_local
     finally:
         remove_placement_group(other_job)
     (tmp_path / "freed").touch()
+    wait_for(lambda: trainer.strategy.restarts or not fit.is_alive(), 120, "the driver to grow the fit")
+    (tmp_path / "grown").touch()
     fit.join(timeout=300)
     assert not fit.is_alive() and not errors, errors
     (grow,) = trainer.strategy.restarts

@@ -28,7 +28,8 @@ class FailsOnce(BoringModel):
     """Rank ``rank`` fails at ``batch`` of ``epoch`` the first time only (``marker`` records that it did).
 
     ``how``: ``kill`` (SIGKILL: the process dies), ``sigterm`` (SIGTERM: it is asked to go),
-    ``raise`` (an exception in the user's code). ``step_s`` slows each step down.
+    ``raise`` (an exception in the user's code). ``step_s`` slows each step down. ``after_checkpoint``: the
+    failing rank first waits (bounded) until a recovery checkpoint is complete, and records its files.
     """
 
     def __init__(
@@ -40,10 +41,12 @@ class FailsOnce(BoringModel):
         rank: int = 1,
         step_s=0.0,
         dropout: float = 0.0,
+        after_checkpoint: bool = False,
     ):
         super().__init__()
         self.marker, self.how, self.fail_epoch, self.fail_batch, self.fail_rank = marker, how, epoch, batch, rank
         self.step_s = step_s
+        self.after_checkpoint = after_checkpoint
         self.dropout = torch.nn.Dropout(dropout)
 
     def forward(self, x):
@@ -60,6 +63,8 @@ class FailsOnce(BoringModel):
         first_time = not os.path.exists(self.marker)
         if self.global_rank == self.fail_rank and (self.current_epoch, batch_idx) == (self.fail_epoch, self.fail_batch):
             if first_time or self.how == "always":
+                if self.after_checkpoint:
+                    self._wait_for_a_complete_checkpoint()
                 with open(self.marker, "w") as f:
                     f.write(str(self.trainer.global_step))
                 if self.how in ("kill", "always"):
@@ -69,6 +74,16 @@ class FailsOnce(BoringModel):
                 else:
                     raise ValueError("a bug in training_step")
         return super().training_step(batch, batch_idx)
+
+    def _wait_for_a_complete_checkpoint(self) -> None:
+        from ray_lightning import runtime
+        from ray_lightning.home import storage
+
+        run = runtime.current_context().recovery.storage_run
+        wait_for(lambda: storage.newest_complete(run) is not None, 60, "a complete recovery checkpoint")
+        fs, folder = storage.filesystem(storage.newest_complete(run).folder)
+        with open(self.marker + ".checkpoint", "w") as f:
+            f.write("\n".join(sorted(p.rsplit("/", 1)[1] for p in fs.ls(folder, detail=False))))
 
 
 def _trainer(tmp_path, strategy, **kwargs) -> pl.Trainer:
@@ -126,6 +141,10 @@ def test_a_killed_worker_restarts_and_the_fit_ends_as_without_the_failure(tmp_pa
     steps = [int(r["step"]) for r in _csv_rows(trainer) if r["train_loss"]]
     assert steps == list(range(12))
     FailsOnce.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)
+    # The recovery checkpoints were on this machine (no storage_path) and are removed with the fit's end.
+    from ray_lightning.home import driver_disk
+
+    assert os.listdir(driver_disk.server_folder()) == []
     # The restart kept rank 0's process (it came out of the broken collective) and started one for rank 1.
     pids = [tuple(map(int, line.split())) for line in (tmp_path / "killed.pids").read_text().splitlines()]
     first, second = sorted(pids[:2]), sorted(pids[2:])
@@ -266,17 +285,22 @@ def test_a_tune_trial_restarts_its_workers_within_its_own_bundles(tmp_path):
     assert trial.last_result["training_iteration"] == 3
 
 
-def test_a_sharded_fit_restarts_from_a_checkpoint_gathered_on_rank_zero(tmp_path):
+def test_a_sharded_fit_restarts_from_the_shards_each_rank_wrote_on_the_drivers_machine(tmp_path):
     from ray_lightning import RayFSDPStrategy
 
     pl.seed_everything(0)
-    model = FailsOnce(str(tmp_path / "killed"))
+    # Rank 1 dies once the epoch's checkpoint is complete (it is written beside training).
+    model = FailsOnce(str(tmp_path / "killed"), after_checkpoint=True)
     # Every 4 steps: on each epoch's last batch, where the epoch's own checkpoint is taken instead.
     trainer = _trainer(tmp_path, RayFSDPStrategy(num_workers=2, max_failures=1, recovery_checkpoint_every_n_steps=4))
     trainer.fit(model)
     (restart,) = trainer.strategy.restarts
-    # Killed before epoch 1's third step: the newest checkpoint was epoch 0's end (step 4), gathered on rank 0.
+    # Killed before epoch 1's third step: the newest checkpoint was epoch 0's end (step 4), one shard file per rank
+    # (torch's distributed checkpoint) in the driver's recovery folder, never gathered on rank 0.
     assert (restart.rank, restart.epoch, restart.global_step) == (1, 1, 4)
+    files = (tmp_path / "killed.checkpoint").read_text().split()
+    assert sorted(f for f in files if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"], files
+    assert ".metadata" in files and "COMPLETE.json" in files, files
     assert (trainer.current_epoch, trainer.global_step) == (3, 12)
     assert torch.equal(model.layer.weight, _reference_weights(tmp_path, RayFSDPStrategy))
 

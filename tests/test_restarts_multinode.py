@@ -185,8 +185,9 @@ def test_an_elastic_fit_starts_on_two_grows_to_three_and_goes_on_with_two_after_
     seen = tmp_path / "seen"
     seen.mkdir()
     # Epoch 0 on 2 workers (rank 0 waits at its 2nd batch for a third node); epoch 1 on 3 after the growth at
-    # epoch 0's end, where a node other than rank 0's is lost before step 8 (the newest checkpoint: step 6).
-    waits = {(0, 0, 1): ("add", "added"), (1, 1, 3): ("remove", "never")}
+    # epoch 0's end, where a node other than rank 0's is lost before step 8 (the newest checkpoint: step 6). The
+    # checkpoints are written beside training: on two, rank 0 waits in epoch 1 until the driver has grown the fit.
+    waits = {(0, 0, 1): ("add", "added"), (0, 1, 0): ("grow", "grown"), (1, 1, 3): ("remove", "never")}
     strategy = RayStrategy(
         num_workers=(2, 3),
         resources_per_worker=SLOT,
@@ -206,6 +207,8 @@ def test_an_elastic_fit_starts_on_two_grows_to_three_and_goes_on_with_two_after_
     cluster.add_node(num_cpus=1, resources={"slot": 1})
     wait_for(lambda: sum(bool(n["Alive"] and n["Resources"].get("slot")) for n in ray.nodes()) == 3, 60, "3 nodes")
     (seen / "added").touch()
+    wait_for(lambda: trainer.strategy.restarts or not fit.is_alive(), 300, "the driver to grow the fit")
+    (seen / "grown").touch()
     wait_for(lambda: (seen / "remove").exists() or not fit.is_alive(), 300, "rank 0 to ask for a node's loss")
     if fit.is_alive():
         rank_zero_node = (seen / "remove").read_text().split()[0]

@@ -1,11 +1,14 @@
-"""Rank 0's recovery checkpoints: what a fit that may restart its workers resumes from.
+"""Recovery checkpoints: what a fit that may restart its workers resumes from.
 
-When ``max_failures > 0``, rank 0 sends the driver a full Lightning checkpoint (what
-``trainer.save_checkpoint`` writes: weights, optimizers, schedulers, loops, callbacks) at every
-epoch boundary, every ``recovery_checkpoint_every_n_steps`` optimizer steps if set, and at once
-when a worker's process or node is about to go away (:mod:`ray_lightning.launch.preemption`).
-The driver keeps the newest on its own machine (:mod:`ray_lightning.launch.recovery`): no shared
-filesystem is needed, and the checkpoint survives rank 0's node.
+When ``max_failures > 0``, the ranks write a Lightning checkpoint (what ``trainer.save_checkpoint``
+writes: weights, optimizers, schedulers, loops, callbacks) at every epoch boundary, every
+``recovery_checkpoint_every_n_steps`` optimizer steps if set, and at once when a worker's process or
+node is about to go away (:mod:`ray_lightning.launch.preemption`). They write it where a restart reads
+it: the run's folder with ``storage_path`` (:mod:`.storage`), else a private folder on the driver's
+machine (:mod:`.driver_disk`): no shared filesystem is needed, the checkpoint survives rank 0's node,
+and no process holds it whole that did not already (a sharded strategy's ranks each write their own
+shards; DDP's rank 0 the one file). The driver learns where the newest complete one is
+(:mod:`ray_lightning.launch.recovery`).
 
 Decisions:
 
@@ -17,17 +20,16 @@ Decisions:
   Lightning 2.6 takes a checkpoint from there as a finished epoch and skips it.
 * Rank 0 alone takes it: under DDP and Horovod every rank holds the same weights and optimizer
   state, and nothing here waits for the other ranks. Under a sharded strategy (its
-  ``collective_checkpoints``) every rank takes part, the full state is gathered on rank 0
-  (``strategy.full_checkpoint``), and whether a preemption asks for one is agreed by all ranks
-  at every step (a one-number all-reduce: a notice reaches rank 0 alone).
+  ``collective_checkpoints``) every rank takes part, each writing its own shards
+  (``strategy.checkpoint_to_storage``; FSDP1 and DeepSpeed gather on rank 0), and whether a preemption
+  asks for one is agreed by all ranks at every step (a one-number all-reduce: a notice reaches rank 0 alone).
 * Lightning's checkpoints hold no random generator state: rank 0 sends its generators' states as
   the first step after a checkpoint starts, and a restarted fit sets them on every rank at its
   first step (:class:`RestoreRandomStates`), so dropout draws the masks it would have drawn.
 * No step checkpoint on an epoch's last batch (Lightning would skip that epoch's end on resume):
   the epoch's own checkpoint follows a moment later.
-* With ``storage_path`` nothing of a checkpoint passes through the driver: the ranks write it into the
-  run's folder (:mod:`.storage`, a shard per rank for the sharded strategies, never gathered) while
-  training goes on, rank 0 writes the marker that makes it complete and tells the driver where it is.
+* Nothing of a checkpoint passes through the driver's process: the ranks write it (:func:`write_checkpoint`)
+  while training goes on, rank 0 writes the marker that makes it complete and tells the driver where it is.
 * With each checkpoint, a rank 0 that writes into a staging directory (off the driver's machine)
   also sends what it wrote or removed there since the last one (:class:`~.files.StagingMirror`):
   the checkpoint files of finished epochs reach the driver even if rank 0's node is lost.
@@ -35,7 +37,6 @@ Decisions:
 
 from __future__ import annotations
 
-import io
 import logging
 import random
 import time
@@ -126,22 +127,7 @@ class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
         self._last_step, self._request = trainer.global_step, None
         started = time.perf_counter()
         runtime.mark_progress("training", f"recovery checkpoint ({reason})")
-        if self._storage_run is not None:
-            self._to_storage(trainer, self._header(trainer, reason, preemption), started)
-            return
-        take = getattr(trainer.strategy, "full_checkpoint", None)
-        checkpoint = take(trainer) if take is not None else _lightning.dump_checkpoint(trainer)
-        if not trainer.is_global_zero:
-            return  # took part in gathering rank 0's (a sharded strategy)
-        buffer = io.BytesIO()
-        torch.save(checkpoint, buffer)
-        del checkpoint
-        changed, removed = self._mirror.changes() if self._mirror is not None else ({}, [])
-        header = {**self._header(trainer, reason, preemption), "seconds": time.perf_counter() - started}
-        # A numpy array goes into the object store with one copy, and is read there in place.
-        data = np.frombuffer(buffer.getbuffer(), dtype=np.uint8)
-        send_object_to_driver(header, {"checkpoint": data, "files": changed, "removed": removed})
-        self._random_states_due = True
+        self._to_storage(trainer, self._header(trainer, reason, preemption), started)
 
     @staticmethod
     def _header(trainer: pl.Trainer, reason: str, preemption: bool) -> dict[str, Any]:
@@ -157,13 +143,16 @@ class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
         }
 
     def _to_storage(self, trainer: pl.Trainer, header: dict[str, Any], started: float) -> None:
-        """Every rank that holds part of the state writes it into a new folder of the run; rank 0, once all parts
-        are written, the marker, and tells the driver (in the background: training goes on meanwhile)."""
+        """Every rank that holds part of the state writes it into a new folder of the run (the storage path's, or
+        the driver's machine's: :mod:`.driver_disk`); rank 0, once all parts are written, the marker, and tells the
+        driver, with the files a staged rank 0 changed (in the background: training goes on meanwhile)."""
         run = self._storage_run
-        assert run is not None
+        assert run is not None, "recovery checkpoints go to storage_path or to the driver's recovery folder"
         self._taken += 1
         folder = run.recovery_folder(trainer.global_step, f"{self._call_tag}-{self._taken}")
         rank_zero = trainer.is_global_zero
+        # Read on the training thread: what the epochs wrote so far, as the checkpoint has it.
+        changes = self._mirror.changes() if self._mirror is not None and rank_zero else None
 
         uploads = storage.uploads()
 
@@ -174,7 +163,8 @@ class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
             done["seconds"] = done["written_at"] - wall_started
             storage.write_marker(folder, done)
             storage.remove_older_recovery(run, keep=folder)
-            send_object_to_driver(done, None)
+            files = {"files": changes[0], "removed": changes[1]} if changes is not None else None
+            send_object_to_driver(done, files)
 
         wall_started = time.time()
         write_checkpoint(trainer, folder, storage.CHECKPOINT_FILE, complete)

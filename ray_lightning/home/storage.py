@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import fsspec
+
 from ray_lightning import _lightning, runtime
 from ray_lightning.config.storage import StorageSettings, is_local
 from ray_lightning.config.variables import UPLOAD_TIMEOUT_ENV, seconds
@@ -44,6 +46,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The driver's recovery folder without storage_path (home.driver_disk), in every process that reads or writes it.
+fsspec.register_implementation("rlhome", "ray_lightning.home.driver_disk.DriverDiskFileSystem", clobber=True)
+
 RECOVERY = "recovery"
 MARKER = "COMPLETE.json"  # written last: every rank's part of the checkpoint is in its folder
 _MARKER_FIELDS = {"epoch", "global_step", "log_step", "reason", "resume_from", "written_at", "folder"}
@@ -52,6 +57,7 @@ CHECKPOINT_FILE = "checkpoint.ckpt"  # a full (DDP) recovery checkpoint in its f
 # longest it waits (a checkpoint of tens of GB on a slow link takes minutes, not hours).
 _WAIT_REPORT_S = 10.0
 DEFAULT_UPLOAD_TIMEOUT_S = 7200.0
+_WRITE_SLICE_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True)
@@ -156,8 +162,12 @@ def write_bytes(url: str, data: bytes | memoryview) -> None:
             f.write(data)
         os.replace(partial, path)
         return
+    view = memoryview(data)
     with fs.open(path, "wb") as f:
-        f.write(data)
+        # In slices: a filesystem's file buffers what it is given before it sends a part (s3fs, rlhome://), so one
+        # write of the whole would hold a second copy of it.
+        for start in range(0, len(view), _WRITE_SLICE_BYTES):
+            f.write(view[start : start + _WRITE_SLICE_BYTES])
 
 
 def remove(url: str) -> None:
@@ -314,11 +324,13 @@ class Uploads:
             ) from error
 
     def abandon(self, timeout_s: float = 10.0) -> None:
-        """After a failed call: the jobs left write no marker and remove nothing (a restart may be reading the
-        checkpoint they would replace); waits a bounded time for the one running, then lets the thread go."""
-        self.abandoned = True
+        """After a failed call, before the call returns: the jobs in flight may end within ``timeout_s`` (a
+        checkpoint a surviving rank 0 was writing when a peer died completes, and the restart resumes from it:
+        the driver looks for the newest complete one once the survivors' calls returned); jobs still left then
+        write no marker and remove nothing (a restart may be reading the checkpoint they would replace)."""
         with self._idle:
             self._idle.wait_for(lambda: not self._pending, timeout_s)
+        self.abandoned = True
         self._jobs.put(None)
 
     def close(self) -> None:

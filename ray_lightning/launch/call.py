@@ -98,7 +98,10 @@ class WorkerCall:
                 files.stage(trainer, staging)
             elif staging is not None:
                 files.make_private_dir(staging)  # this rank's part of the sharded checkpoints
-            uses_storage = trainer.strategy.workers.storage.enabled
+            # The ranks write checkpoints in the background: into storage_path, or the recovery checkpoints of a fit
+            # that may restart into the driver's recovery folder (home.driver_disk).
+            recovery_run = context.recovery.storage_run if context.recovery is not None else None
+            uses_storage = trainer.strategy.workers.storage.enabled or recovery_run is not None
             if uses_storage:
                 storage.reset_uploads()
                 storage.forget_cached_filesystems()  # this call's credentials and endpoints (AWS_*...)

@@ -348,11 +348,13 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
             path,
             local=any(i.node_id == driver_node for i in infos),
             remote=any(i.node_id != driver_node for i in infos),
-            # A recovery checkpoint in the run's folder, or any checkpoint in the storage path, is read there.
+            # A recovery checkpoint (in the run's folder or the driver's recovery folder), or any checkpoint in the
+            # storage path, is read there.
             in_storage=path is not None
             and (
                 (path == call.checkpoint and call.checkpoint_in_place)
-                or (call.run is not None and (path != call.checkpoint or call.run.holds(path)))
+                or (path != call.checkpoint and call.recovery.checkpoint_run is not None)
+                or (call.run is not None and call.run.holds(path))
             ),
         )
         rank_zero_info = namespaces.of(self._strategy).pl("utilities.rank_zero.rank_zero_info")
@@ -367,7 +369,8 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
             if warning is not None:
                 self._strategy._warned_checkpoints_home = True
                 namespaces.of(self._strategy).pl("utilities.rank_zero.rank_zero_warn")(warning)
-        plan = call.recovery.plan(infos)
+        fitting = call.trainer is not None and call.trainer.state.fn == namespaces.FITTING
+        plan = call.recovery.plan(infos, fitting)
         if plan is not None and staging is not None and call.recovery.restarts:
             # A restarted rank 0 that stages starts from what this call wrote so far (logs it appends to).
             plan = replace(plan, seed=ray.put(call.recovery.seed_files(call.seed_directories)))

@@ -2,11 +2,11 @@
 
 The launcher runs a call's attempts (:meth:`ray_lightning.launch.launcher.RayLauncher.launch`);
 whether a failure is followed by a restart is decided in :mod:`.failures`. :class:`Recovery` keeps
-what the attempts share: rank 0's newest recovery checkpoint (:mod:`ray_lightning.home.recovery`),
-kept as a file in a private directory on the driver's machine (with ``storage_path``: where it is in the
-run's folder, :mod:`ray_lightning.home.storage`), the files a staged rank 0 mirrored
-here, a preemption rank 0 checkpointed for, and each restart, logged and recorded
-(``trainer.strategy.restarts``).
+what the attempts share: where the newest complete recovery checkpoint is (:mod:`ray_lightning.home.recovery`):
+in the run's folder with ``storage_path`` (:mod:`ray_lightning.home.storage`), else in a private folder on the
+driver's machine that the ranks write and read in chunks (:mod:`ray_lightning.home.driver_disk`; no byte of it
+passes through this process); the files a staged rank 0 mirrored here, a preemption rank 0 checkpointed for, and
+each restart, logged and recorded (``trainer.strategy.restarts``).
 
 Decisions:
 
@@ -22,8 +22,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Iterable
@@ -35,7 +33,7 @@ import ray
 from ray_lightning.config.elastic import ElasticSettings
 from ray_lightning.config.restarts import RecoverySettings
 from ray_lightning.errors import RayWorkerError, WorkerPreemptedError
-from ray_lightning.home import files, storage
+from ray_lightning.home import driver_disk, files, storage
 from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.failures import RESIZES, Failure, Kind
 from ray_lightning.launch.preemption import forget_notice
@@ -96,12 +94,12 @@ class Recovery:
         self.settings = settings
         self.elastic = elastic  # num_workers=(min, max): it grows at recovery checkpoints, so it takes them
         self.run = run  # with storage_path: the checkpoints are in the run's folder, never on this machine
+        self._home: storage.Run | None = None  # without: the call's folder on this machine (home.driver_disk)
         self._random_states: dict[int, Any] = {}  # rank 0's generators after the checkpoint of each step
         self.restarts: list[Restart] = []  # this call's
         self._history = history  # every call's: ``trainer.strategy.restarts``
         self._scope = scope
         self._failures: list[str] = []
-        self._directory: str | None = None
         self._latest: _Checkpoint | None = None
         self._going_away: dict[str, Any] | None = None  # the header of a preemption checkpoint, until acted on
         self._call_id = uuid.uuid4().hex
@@ -143,10 +141,20 @@ class Recovery:
         """The files of a staged rank 0 that reached this machine during the call (:meth:`mirror`)."""
         return frozenset(self._synced)
 
-    def plan(self, infos: Iterable[NodeInfo]) -> RecoveryPlan | None:
-        """What the workers of the next attempt do for recovery (None: nothing)."""
+    @property
+    def checkpoint_run(self) -> storage.Run | None:
+        """Where the ranks write the recovery checkpoints: the run's folder (``storage_path``), else this call's
+        folder on the driver's machine; None before the first attempt's plan."""
+        return self.run or self._home
+
+    def plan(self, infos: Iterable[NodeInfo], fitting: bool = True) -> RecoveryPlan | None:
+        """What the workers of the next attempt do for recovery (None: nothing); ``fitting``: a Trainer's fit,
+        whose ranks write recovery checkpoints (a folder on this machine is made for them without storage_path)."""
         if not self.takes_checkpoints:
             return None
+        if self.checkpoint_run is None and fitting:
+            folder = f"call-{self._call_id}"
+            self._home = storage.Run(driver_disk.run_url(folder), folder)
         nodes = tuple(dict.fromkeys(info.node_id for info in infos))
         latest = self._latest if self.restarts else None
         return RecoveryPlan(
@@ -156,7 +164,7 @@ class Recovery:
             attempt=len(self.restarts),
             log_step=latest.log_step if latest is not None else None,
             random_states=self._random_states.get(latest.global_step) if latest is not None else None,
-            storage_run=self.run,
+            storage_run=self.checkpoint_run,
             elastic=(
                 (self.elastic.min_workers, self.elastic.max_workers, self.elastic.batch_policy)
                 if self.elastic is not None
@@ -169,7 +177,8 @@ class Recovery:
         self._latest = _checkpoint_in_storage(entry.header)
 
     def receive(self, header: dict[str, Any], ref: ray.ObjectRef) -> None:
-        """A recovery checkpoint from rank 0 (the driver channel's ``on_object``): keep it on this machine."""
+        """Word from rank 0 (the driver channel's ``on_object``): a recovery checkpoint is complete (where it is,
+        and the files a staged rank 0 changed since the last one), or its random states after one."""
         try:
             value = ray.get(ref, timeout=FETCH_TIMEOUT_S)
         except Exception as error:  # noqa: BLE001 - rank 0 died while sending: keep the one before
@@ -179,16 +188,10 @@ class Recovery:
             # Kept by step: with storage, the checkpoint's own word may come after them.
             self._random_states = {header["random_states_for"]: value}
             return
-        if "resume_from" in header:
-            self._latest = _checkpoint_in_storage(header)
-            log.debug("ray_lightning: recovery checkpoint in %s", header["folder"])
-            if header.get("preemption"):
-                self._going_away = header
-            return
-        path = self._write_checkpoint(value["checkpoint"])
-        self._latest = _Checkpoint(path, header["epoch"], header["global_step"], header["log_step"], header["reason"])
-        self.mirror(files.write(value["files"], self._scope), files.remove(value["removed"], self._scope))
-        log.debug("ray_lightning: recovery checkpoint at epoch %s, step %s", header["epoch"], header["global_step"])
+        self._latest = _checkpoint_in_storage(header)
+        if value is not None:
+            self.mirror(files.write(value["files"], self._scope), files.remove(value["removed"], self._scope))
+        log.debug("ray_lightning: recovery checkpoint at epoch %s, step %s in %s", *_where(header))
         if header.get("preemption"):
             self._going_away = header
 
@@ -211,16 +214,6 @@ class Recovery:
             reason=reason,
         )
 
-    def _write_checkpoint(self, data: Any) -> str:
-        if self._directory is None:
-            self._directory = tempfile.mkdtemp(prefix="ray_lightning-recovery-")  # private (0700)
-        path = os.path.join(self._directory, "recovery.ckpt")
-        partial = path + ".partial"
-        with open(partial, "wb") as f:
-            f.write(memoryview(data))
-        os.replace(partial, path)  # never half a checkpoint, even if the driver is interrupted
-        return path
-
     def checkpoint(self, given: str | None) -> str | None:
         """The ``ckpt_path`` file the next attempt resumes from: the newest recovery checkpoint, else ``given``."""
         return self._latest.path if self._latest is not None else given
@@ -228,9 +221,9 @@ class Recovery:
     def record_restart(self, failure: Failure, world_size: int | None = None) -> Restart:
         """Log and record the restart that follows ``failure`` (:func:`~.failures.decide` chose it) on
         ``world_size`` workers."""
-        if self.run is not None:
+        if self.checkpoint_run is not None:
             # Rank 0 may have completed a checkpoint and died before its word reached this process.
-            found = storage.newest_complete(self.run)
+            found = storage.newest_complete(self.checkpoint_run)
             if found is not None and (self._latest is None or found.header["global_step"] >= self._latest.global_step):
                 self._latest = _checkpoint_in_storage(found.header)
         latest = self._latest
@@ -295,10 +288,13 @@ class Recovery:
         return seeds
 
     def close(self) -> None:
-        """After the call: remove the recovery checkpoint and the notice key."""
-        if self._directory is not None:
-            shutil.rmtree(self._directory, ignore_errors=True)
-            self._directory = None
+        """After the call: remove the recovery checkpoints on this machine and the notice key."""
+        if self._home is not None:
+            try:
+                storage.remove(self._home.url)
+            except Exception as error:  # noqa: BLE001 - Ray is gone (its temp folder with it), or the server is
+                log.debug("ray_lightning: could not remove the recovery folder %s: %s", self._home.url, error)
+            self._home = None
         if self.takes_checkpoints:
             for attempt in range(len(self.restarts) + 1):
                 forget_notice(self._notice_key(attempt))
@@ -307,6 +303,10 @@ class Recovery:
 def _checkpoint_in_storage(header: dict[str, Any]) -> _Checkpoint:
     fields = ("resume_from", "epoch", "global_step", "log_step", "reason")
     return _Checkpoint(*(header[name] for name in fields))
+
+
+def _where(header: dict[str, Any]) -> tuple[Any, ...]:
+    return header["epoch"], header["global_step"], header["folder"]
 
 
 def _first_line(error: BaseException) -> str:

@@ -1,0 +1,76 @@
+"""The driver's recovery folder without storage_path (ray_lightning.home.driver_disk), on the shared local Ray:
+files the ranks write there in chunks appear whole, read back in ranges, and stay inside the folder.
+
+Restarts that resume from it are in tests/test_restarts.py (DDP and FSDP2) and tests/test_restarts_multinode.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ray_lightning.errors import StorageError
+from ray_lightning.home import driver_disk, storage
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+@pytest.fixture
+def folder(monkeypatch):
+    monkeypatch.setattr(driver_disk, "CHUNK_BYTES", 1 << 16)  # many chunks for a small file
+    url = driver_disk.run_url("test-folder")
+    yield url
+    storage.remove(url)
+
+
+def test_a_file_written_in_chunks_appears_whole_and_reads_back_in_ranges(folder):
+    data = os.urandom(5 * (1 << 16) + 123)
+    fs, path = storage.filesystem(f"{folder}/a/b.bin")
+    with fs.open(path, "wb") as f:
+        for start in range(0, len(data), 40_000):
+            f.write(data[start : start + 40_000])
+            assert not fs.exists(path), "half a file is visible"
+    assert fs.cat_file(path) == data and fs.info(path)["size"] == len(data)
+    assert fs.cat_file(path, 70_000, 70_010) == data[70_000:70_010]
+    on_disk = os.path.join(driver_disk.server_folder(), "test-folder", "a", "b.bin")
+    with open(on_disk, "rb") as f:  # the driver's machine holds it: this test runs there
+        assert f.read() == data
+    assert fs.ls(f"{folder}/a", detail=False) == [path]
+
+
+def test_a_write_that_fails_leaves_no_file_and_torch_reads_what_it_saved(folder):
+    fs, path = storage.filesystem(f"{folder}/broken.pt")
+    with pytest.raises(RuntimeError, match="in the middle"), fs.open(path, "wb") as f:
+        f.write(os.urandom(3 * (1 << 16)))  # some chunks are on the driver's disk already
+        raise RuntimeError("in the middle")
+    assert fs.ls(folder, detail=False) == []
+    with fs.open(f"{folder}/state.pt", "wb") as f:
+        torch.save({"w": torch.arange(5)}, f)
+    fs.mv(f"{folder}/state.pt", f"{folder}/moved.pt")
+    with fs.open(f"{folder}/moved.pt", "rb") as f:
+        assert torch.equal(torch.load(f)["w"], torch.arange(5))
+    storage.remove(f"{folder}/moved.pt")
+    assert not fs.exists(f"{folder}/moved.pt")
+    with pytest.raises(FileNotFoundError):
+        fs.cat_file(f"{folder}/moved.pt")
+
+
+def test_paths_outside_the_folder_are_refused_and_the_server_imports_no_torch(folder):
+    import ray
+    from ray.util.state import list_actors
+
+    fs, _ = storage.filesystem(folder)
+    with pytest.raises(ValueError, match="outside the driver's recovery folder"):
+        fs.info(f"{folder}/../../../etc/passwd")
+    address = ray.get_runtime_context().gcs_address  # this test's Ray, also when others run on the machine
+    (server,) = list_actors(address=address, filters=[("name", "=", driver_disk.server_name())])
+    with open(f"/proc/{server.pid}/maps") as maps:
+        assert "libtorch" not in maps.read(), "the server process loaded torch"
+
+
+def test_a_server_that_is_gone_fails_naming_the_path(monkeypatch):
+    fs = driver_disk.DriverDiskFileSystem()
+    with pytest.raises(StorageError, match="ray_lightning-disk-missing on the driver.s node. is gone, for info of"):
+        fs.info("rlhome://ray_lightning-disk-missing/some/file")
