@@ -36,7 +36,7 @@ class StepSpec(Spec):
 
     @classmethod
     def tiny(cls) -> StepSpec:
-        return cls(batch_size=16, features=32, hidden=64, classes=4, steps=12, warmup=4)
+        return cls(batch_size=16, features=32, hidden=64, classes=4, steps=12, warmup=4, smoke=True)
 
     @classmethod
     def on_gpu(cls, tiny: bool = False) -> StepSpec:
