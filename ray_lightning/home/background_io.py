@@ -34,7 +34,7 @@ class BackgroundCheckpointIO(*namespaces.every("plugins.io.CheckpointIO")):
 
         def start() -> Any:
             copy = storage.snapshot(checkpoint)  # the training thread pays for the copy, not for the writing
-            return lambda: storage.write_bytes(target, storage.serialize(copy))
+            return lambda: storage.save_checkpoint(target, copy)
 
         storage.uploads().submit(target, start)
 

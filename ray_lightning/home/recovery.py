@@ -203,7 +203,7 @@ def _upload_full_checkpoint(trainer: pl.Trainer, target: str, complete: Any) -> 
         copy = storage.snapshot(checkpoint)  # taken before training goes on; serialized and written beside it
 
         def job() -> None:
-            storage.write_bytes(target, storage.serialize(copy))
+            storage.save_checkpoint(target, copy)
             complete(target)
 
         return job

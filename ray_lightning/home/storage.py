@@ -170,6 +170,23 @@ def write_bytes(url: str, data: bytes | memoryview) -> None:
             f.write(view[start : start + _WRITE_SLICE_BYTES])
 
 
+def save_checkpoint(url: str, checkpoint: dict[str, Any]) -> None:
+    """``torch.save`` of ``checkpoint`` streamed to ``url`` as it is serialized: no serialized copy in memory (the
+    largest tensor and a filesystem's part at most); a local file appears whole (written beside, then renamed)."""
+    import torch
+
+    fs, path = filesystem(url)
+    if is_local(url):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        partial = f"{path}.partial-{uuid.uuid4().hex[:8]}"
+        with open(partial, "wb") as f:
+            torch.save(checkpoint, f)
+        os.replace(partial, path)
+        return
+    with fs.open(path, "wb") as f:
+        torch.save(checkpoint, f)
+
+
 def remove(url: str) -> None:
     """Remove the file or folder at ``url`` (gone already: nothing to do)."""
     fs, path = filesystem(url)
@@ -292,6 +309,9 @@ class Uploads:
             except BaseException as error:  # noqa: BLE001 - raised on the training thread (wait)
                 with self._idle:
                     self._failed = self._failed or (what, error)
+            # The job holds the checkpoint's copy: let it go now, not when the next job arrives (the next save's
+            # copy would be taken while this one is still held, two copies of the state at once).
+            del item, job
             with self._idle:
                 self._pending.remove(what)
                 self._idle.notify_all()
