@@ -18,6 +18,7 @@ newest complete one, plus the one being written).
 
 from __future__ import annotations
 
+import atexit
 import uuid
 from typing import Any
 
@@ -63,6 +64,9 @@ def server_name() -> str:
                 f"within {CALL_TIMEOUT_S:g} s: {type(error).__name__}: {error}. Pass storage_path= to write them "
                 "elsewhere."
             ) from error
+        if _server is None:
+            # Its folder goes at exit (before Ray's own exit handler, registered earlier, shuts Ray down).
+            atexit.register(stop_server)
         _server = (job, name, handle)
     return _server[1]
 
