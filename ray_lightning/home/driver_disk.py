@@ -31,6 +31,7 @@ PROTOCOL = "rlhome"
 CHUNK_BYTES = 16 * 2**20
 # One chunk's write or read on the driver's node: far above what 16 MiB takes on any network that trains.
 CALL_TIMEOUT_S = 300.0
+_EXIT_TIMEOUT_S = 10.0  # what the driver's exit waits, at most, to remove the folder
 _NAMESPACE = "ray_lightning"
 _PREFIX = "ray_lightning-recovery-"
 
@@ -89,8 +90,10 @@ def stop_server() -> None:
         return
     _, _, handle = _server
     _server = None
+    if not ray.is_initialized():
+        return  # Ray was shut down: the actor ended with the job
     try:
-        ray.get(handle.remove_all.remote(), timeout=CALL_TIMEOUT_S)
+        ray.get(handle.remove_all.remote(), timeout=_EXIT_TIMEOUT_S)
         ray.kill(handle)
     except Exception:  # noqa: BLE001 - Ray is shut down already: the folder went with the node's temp files
         pass
