@@ -109,8 +109,9 @@ class RayStrategy(RayWorkersMixin):
             because of it; the new workers resume from the newest recovery checkpoint. Exceptions raised
             by your code are not retried. Default 0 (a failure ends the call), or
             ``RAY_LIGHTNING_MAX_FAILURES``.
-        recovery_checkpoint_every_n_steps: with ``max_failures > 0``, rank 0 sends the driver a
-            checkpoint at every epoch boundary, and also every this many optimizer steps when set.
+        recovery_checkpoint_every_n_steps: with ``max_failures > 0``, the ranks write a recovery
+            checkpoint (into ``storage_path``, else into a folder on the driver's machine) at every epoch
+            boundary, and also every this many optimizer steps when set.
             Default None (epoch boundaries only), or ``RAY_LIGHTNING_RECOVERY_CHECKPOINT_EVERY_N_STEPS``.
         batch_policy: with ``num_workers=(min, max)``, what a resize keeps: ``"keep_global_batch"`` (default: the
             global batch of ``max`` workers), ``"scale_lr"`` (learning rates x ``world_size / max``) or ``"leave"``.

@@ -19,7 +19,7 @@ comes home, as for ``RayStrategy``:
 Decisions:
 
 * No restarts (``max_failures`` must be 0): a ZeRO optimizer's state is partitioned over the ranks,
-  so the one-file recovery checkpoint rank 0 sends the driver cannot hold it, and resuming without
+  so the one-file recovery checkpoint rank 0 writes cannot hold it, and resuming without
   it would change the training. Tune's trial restarts from ``ModelCheckpoint`` directories work.
 * Every call starts new worker processes (no ``keep_workers_alive_s``): DeepSpeed keeps its
   process groups in module globals, which a worker's next call would find pointing at a process
