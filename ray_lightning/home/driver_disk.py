@@ -52,7 +52,9 @@ def server_name() -> str:
         ray.cloudpickle.register_pickle_by_value(disk_server)
         name = f"ray_lightning-disk-{uuid.uuid4().hex[:12]}"
         actor_class = ray.remote(disk_server.DiskServer)
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        # A Ray Client's machine is no node of the cluster: its folder is then on a node Ray picks.
+        client = ray.util.client.ray.is_connected()
+        here = "DEFAULT" if client else NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), False)
         handle = actor_class.options(
             name=name, namespace=_NAMESPACE, num_cpus=0, max_concurrency=16, scheduling_strategy=here
         ).remote(_PREFIX)
