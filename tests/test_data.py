@@ -48,12 +48,29 @@ def dataset(rows: int, blocks: int = 5, preprocess: bool = False):
     return ray.data.from_items([{"id": int(i), "x": x[i]} for i in ids], override_num_blocks=blocks)
 
 
+def _wait_for_a_recovery_checkpoint(since_step: int) -> None:
+    """In a worker, before it is killed: until a recovery checkpoint of ``since_step`` or later is complete (they are
+    written beside training; the tests check where the restart resumes, not a race with the upload)."""
+    from ray_lightning import runtime
+    from ray_lightning.home import storage
+    from tests.conftest import wait_for
+
+    run = runtime.current_context().recovery.storage_run
+
+    def complete() -> bool:
+        entry = storage.newest_complete(run)
+        return entry is not None and entry.header["global_step"] >= since_step
+
+    wait_for(complete, 60, f"the recovery checkpoint of step {since_step} or later")
+
+
 def id_model_class(base: type) -> type:
     """The test model on ``base`` (``pytorch_lightning`` or ``lightning.pytorch``'s LightningModule)."""
 
     class IdModel(base):
         """Writes every training batch's ids (and mask) with its epoch and global step to ``<out>/train-rank<r>.jsonl``;
-        rank ``kill_rank`` SIGKILLs itself at ``kill_at`` (epoch, batch_idx) unless ``<out>/killed`` exists."""
+        rank ``kill_rank`` SIGKILLs itself at ``kill_at`` (epoch, batch_idx) unless ``<out>/killed`` exists, once the
+        recovery checkpoint before that step is complete."""
 
         def __init__(self, out: str, kill_at: tuple[int, int] | None = None, kill_rank: int = 1) -> None:
             base.__init__(self)
@@ -71,6 +88,7 @@ def id_model_class(base: type) -> type:
             marker = os.path.join(self.out, "killed")
             if self.kill_at == (self.current_epoch, batch_idx) and self.global_rank == self.kill_rank:
                 if not os.path.exists(marker):
+                    _wait_for_a_recovery_checkpoint(since_step=self.global_step - 1)
                     Path(marker).write_text("")
                     os.kill(os.getpid(), signal.SIGKILL)
             nodes = sorted(set(batch["node"].tolist())) if "node" in batch else []

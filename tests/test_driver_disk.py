@@ -74,3 +74,20 @@ def test_a_server_that_is_gone_fails_naming_the_path(monkeypatch):
     fs = driver_disk.DriverDiskFileSystem()
     with pytest.raises(StorageError, match="ray_lightning-disk-missing on the driver.s node. is gone, for info of"):
         fs.info("rlhome://ray_lightning-disk-missing/some/file")
+
+
+def test_a_new_ray_cluster_in_the_same_process_gets_a_new_folder():
+    """Its first job has the same id as the last cluster's (01000000): the server is known by its cluster too."""
+    import ray
+
+    first = driver_disk.server_name()
+    ray.shutdown()
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
+    try:
+        assert driver_disk.server_name() != first
+        url = driver_disk.run_url("test-new-cluster")
+        storage.write_bytes(f"{url}/file", b"y")
+        assert storage.filesystem(url)[0].cat_file(f"{url}/file") == b"y"
+        storage.remove(url)
+    finally:
+        ray.shutdown()  # the session's Ray starts again at the next test's ray_local

@@ -124,7 +124,7 @@ def test_a_killed_gpu_worker_restarts_on_the_gpu_and_the_fit_ends_as_without_the
 
     def fit(directory, marker):
         pl.seed_everything(0)
-        model = FailsOnce(str(marker), rank=0)  # the only rank: SIGKILLed at epoch 1, batch 2, once
+        model = FailsOnce(str(marker), rank=0, checkpoint_step=4)  # the only rank: SIGKILLed at epoch 1, batch 2, once
         trainer = _trainer(directory, RayStrategy(num_workers=1, use_gpu=True, max_failures=1),
                            callbacks=[Recorder(directory)])  # fmt: skip
         trainer.fit(model)

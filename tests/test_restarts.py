@@ -28,8 +28,9 @@ class FailsOnce(BoringModel):
     """Rank ``rank`` fails at ``batch`` of ``epoch`` the first time only (``marker`` records that it did).
 
     ``how``: ``kill`` (SIGKILL: the process dies), ``sigterm`` (SIGTERM: it is asked to go),
-    ``raise`` (an exception in the user's code). ``step_s`` slows each step down. ``after_checkpoint``: the
-    failing rank first waits (bounded) until a recovery checkpoint is complete, and records its files.
+    ``raise`` (an exception in the user's code). ``step_s`` slows each step down. ``checkpoint_step``: the failing
+    rank first waits (bounded) until the recovery checkpoint of that step is complete (they are written beside
+    training: the tests check where a restart resumes, not a race with the upload), and records its files.
     """
 
     def __init__(
@@ -41,12 +42,12 @@ class FailsOnce(BoringModel):
         rank: int = 1,
         step_s=0.0,
         dropout: float = 0.0,
-        after_checkpoint: bool = False,
+        checkpoint_step: int | None = None,
     ):
         super().__init__()
         self.marker, self.how, self.fail_epoch, self.fail_batch, self.fail_rank = marker, how, epoch, batch, rank
         self.step_s = step_s
-        self.after_checkpoint = after_checkpoint
+        self.checkpoint_step = checkpoint_step
         self.dropout = torch.nn.Dropout(dropout)
 
     def forward(self, x):
@@ -63,8 +64,8 @@ class FailsOnce(BoringModel):
         first_time = not os.path.exists(self.marker)
         if self.global_rank == self.fail_rank and (self.current_epoch, batch_idx) == (self.fail_epoch, self.fail_batch):
             if first_time or self.how == "always":
-                if self.after_checkpoint:
-                    self._wait_for_a_complete_checkpoint()
+                if self.checkpoint_step is not None:
+                    self._wait_for_the_checkpoint(self.checkpoint_step)
                 with open(self.marker, "w") as f:
                     f.write(str(self.trainer.global_step))
                 if self.how in ("kill", "always"):
@@ -75,12 +76,17 @@ class FailsOnce(BoringModel):
                     raise ValueError("a bug in training_step")
         return super().training_step(batch, batch_idx)
 
-    def _wait_for_a_complete_checkpoint(self) -> None:
+    def _wait_for_the_checkpoint(self, step: int) -> None:
         from ray_lightning import runtime
         from ray_lightning.home import storage
 
         run = runtime.current_context().recovery.storage_run
-        wait_for(lambda: storage.newest_complete(run) is not None, 60, "a complete recovery checkpoint")
+
+        def complete() -> bool:
+            entry = storage.newest_complete(run)
+            return entry is not None and entry.header["global_step"] >= step
+
+        wait_for(complete, 60, f"the recovery checkpoint of step {step}")
         fs, folder = storage.filesystem(storage.newest_complete(run).folder)
         with open(self.marker + ".checkpoint", "w") as f:
             f.write("\n".join(sorted(p.rsplit("/", 1)[1] for p in fs.ls(folder, detail=False))))
@@ -120,7 +126,7 @@ def test_a_killed_worker_restarts_and_the_fit_ends_as_without_the_failure(tmp_pa
     pl.seed_everything(0)
     marker = tmp_path / "killed"
     # Dropout draws random masks every step: the same weights need the random state carried over.
-    model = FailsOnce(str(marker), dropout=0.3)
+    model = FailsOnce(str(marker), dropout=0.3, checkpoint_step=4)
     trainer = _trainer(tmp_path, RayStrategy(num_workers=2, max_failures=1))
     trainer.fit(model)
 
@@ -178,7 +184,7 @@ def test_step_checkpoints_resume_mid_epoch(tmp_path):
     pl.seed_everything(0)
     marker = tmp_path / "killed"
     trainer = _trainer(tmp_path, RayStrategy(num_workers=2, max_failures=1, recovery_checkpoint_every_n_steps=2))
-    trainer.fit(FailsOnce(str(marker), epoch=1, batch=3))
+    trainer.fit(FailsOnce(str(marker), epoch=1, batch=3, checkpoint_step=6))
     (restart,) = trainer.strategy.restarts
     # Killed before epoch 1's 4th step (global step 7): the newest checkpoint was after step 6, mid-epoch 1.
     assert (restart.epoch, restart.global_step) == (1, 6)
@@ -238,7 +244,7 @@ def test_horovod_restarts_like_ddp(tmp_path):
     from ray_lightning import HorovodRayStrategy
 
     pl.seed_everything(0)
-    model = FailsOnce(str(tmp_path / "killed"))
+    model = FailsOnce(str(tmp_path / "killed"), checkpoint_step=4)
     trainer = _trainer(tmp_path, HorovodRayStrategy(num_workers=2, max_failures=1))
     trainer.fit(model)
     (restart,) = trainer.strategy.restarts
@@ -259,7 +265,7 @@ def train_killed_once(config):
         logger=False,
         enable_checkpointing=False,
     )
-    trainer.fit(FailsOnce(config["marker"]))
+    trainer.fit(FailsOnce(config["marker"], checkpoint_step=4))
     with open(config["restarts"], "w") as f:
         f.write(" ".join(f"{r.rank}:{r.epoch}:{r.global_step}" for r in trainer.strategy.restarts))
 
@@ -290,7 +296,7 @@ def test_a_sharded_fit_restarts_from_the_shards_each_rank_wrote_on_the_drivers_m
 
     pl.seed_everything(0)
     # Rank 1 dies once the epoch's checkpoint is complete (it is written beside training).
-    model = FailsOnce(str(tmp_path / "killed"), after_checkpoint=True)
+    model = FailsOnce(str(tmp_path / "killed"), checkpoint_step=4)
     # Every 4 steps: on each epoch's last batch, where the epoch's own checkpoint is taken instead.
     trainer = _trainer(tmp_path, RayFSDPStrategy(num_workers=2, max_failures=1, recovery_checkpoint_every_n_steps=4))
     trainer.fit(model)

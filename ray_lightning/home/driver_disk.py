@@ -35,14 +35,20 @@ _EXIT_TIMEOUT_S = 10.0  # what the driver's exit waits, at most, to remove the f
 _NAMESPACE = "ray_lightning"
 _PREFIX = "ray_lightning-recovery-"
 
-# This process's server: (the Ray job it belongs to, its name, its handle).
+# This process's server: (the Ray cluster and job it belongs to, its name, its handle).
 _server: tuple[str, str, Any] | None = None
 
 
 def server_name() -> str:
     """This driver's server (started on first use, on this node, for this Ray job): its name in ``rlhome://``."""
     global _server
-    job = ray.get_runtime_context().get_job_id()
+    # A job id alone names no cluster: the first job of every new cluster is 01000000.
+    context = ray.get_runtime_context()
+    try:
+        cluster = context.gcs_address
+    except Exception:  # noqa: BLE001 - a Ray Client's context has none: one cluster per client connection
+        cluster = "client"
+    job = f"{cluster}/{context.get_job_id()}"
     if _server is None or _server[0] != job:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
