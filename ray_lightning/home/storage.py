@@ -58,6 +58,10 @@ CHECKPOINT_FILE = "checkpoint.ckpt"  # a full (DDP) recovery checkpoint in its f
 _WAIT_REPORT_S = 10.0
 DEFAULT_UPLOAD_TIMEOUT_S = 7200.0
 _WRITE_SLICE_BYTES = 8 * 2**20
+# How long a failed call's rank lets its upload in flight finish: under the 5 s the launcher waits for the ranks that
+# survived a peer's death to come out of their call (launch.launcher.SALVAGE_WAIT_S), so a surviving rank 0 is never
+# replaced while its checkpoint may still complete after the driver looked for the newest one.
+ABANDON_WAIT_S = 4.0
 
 
 @dataclass(frozen=True)
@@ -343,7 +347,7 @@ class Uploads:
                 f"ray_lightning: writing {what} to storage failed: {type(error).__name__}: {error}"
             ) from error
 
-    def abandon(self, timeout_s: float = 10.0) -> None:
+    def abandon(self, timeout_s: float = ABANDON_WAIT_S) -> None:
         """After a failed call, before the call returns: the jobs in flight may end within ``timeout_s`` (a
         checkpoint a surviving rank 0 was writing when a peer died completes, and the restart resumes from it:
         the driver looks for the newest complete one once the survivors' calls returned); jobs still left then
