@@ -158,20 +158,15 @@ def check_writable(url: str) -> None:
 
 def write_bytes(url: str, data: bytes | memoryview) -> None:
     """Write ``data`` at ``url``; a local file appears whole (written beside, then renamed)."""
-    fs, path = filesystem(url)
-    if is_local(url):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        partial = f"{path}.partial-{uuid.uuid4().hex[:8]}"
-        with open(partial, "wb") as f:
-            f.write(data)
-        os.replace(partial, path)
-        return
     view = memoryview(data)
-    with fs.open(path, "wb") as f:
+
+    def write(f: Any) -> None:
         # In slices: a filesystem's file buffers what it is given before it sends a part (s3fs, rlhome://), so one
         # write of the whole would hold a second copy of it.
         for start in range(0, len(view), _WRITE_SLICE_BYTES):
             f.write(view[start : start + _WRITE_SLICE_BYTES])
+
+    _write(url, write)
 
 
 def save_checkpoint(url: str, checkpoint: dict[str, Any]) -> None:
@@ -179,16 +174,21 @@ def save_checkpoint(url: str, checkpoint: dict[str, Any]) -> None:
     largest tensor and a filesystem's part at most); a local file appears whole (written beside, then renamed)."""
     import torch
 
+    _write(url, lambda f: torch.save(checkpoint, f))
+
+
+def _write(url: str, write: Callable[[Any], None]) -> None:
+    """``write(file)`` into the file at ``url``: a local one beside its name, renamed when complete."""
     fs, path = filesystem(url)
-    if is_local(url):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        partial = f"{path}.partial-{uuid.uuid4().hex[:8]}"
-        with open(partial, "wb") as f:
-            torch.save(checkpoint, f)
-        os.replace(partial, path)
+    if not is_local(url):
+        with fs.open(path, "wb") as f:
+            write(f)
         return
-    with fs.open(path, "wb") as f:
-        torch.save(checkpoint, f)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    partial = f"{path}.partial-{uuid.uuid4().hex[:8]}"
+    with open(partial, "wb") as f:
+        write(f)
+    os.replace(partial, path)
 
 
 def remove(url: str) -> None:
