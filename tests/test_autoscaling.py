@@ -10,8 +10,10 @@ minute) do not serve another; the tests run in file order.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -188,23 +190,47 @@ def test_fit_waits_for_the_nodes_the_autoscaler_adds(autoscaling_cluster, driver
 
 
 class WaitsForTheSecondNode(BoringModel):
-    """On one worker, rank 0 waits at its first batch (bounded) until the autoscaler has added a second grow_node."""
+    """On one worker, rank 0 waits at its first batch (bounded) until the autoscaler has added a second grow_node,
+    and at epoch 1's first batch until the driver decided to grow (epoch 0's checkpoint is written beside training,
+    so epoch 1 could otherwise end before the driver heard of it)."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        self.directory = directory
 
     def training_step(self, batch, batch_idx):
         if self.trainer.world_size == 1 and (self.current_epoch, batch_idx) == (0, 0):
             wait_for(lambda: _nodes_with("grow") == 2, 240, "the autoscaler to add a second grow_node")
+        if self.trainer.world_size == 1 and (self.current_epoch, batch_idx) == (1, 0):
+            wait_for(lambda: (Path(self.directory) / "grown").exists(), 120, "the driver to grow the fit")
         return super().training_step(batch, batch_idx)
 
 
-def test_an_elastic_fit_grows_onto_the_node_it_asked_the_autoscaler_for(autoscaling_cluster, driver_log, monkeypatch):
+def test_an_elastic_fit_grows_onto_the_node_it_asked_the_autoscaler_for(
+    autoscaling_cluster, driver_log, monkeypatch, tmp_path
+):
     if autoscaling_cluster.version != "v1":
         pytest.skip("request_resources is one call for both autoscalers: v1's cluster checks it")
     assert _nodes_with("grow") == 0, "this test needs no grow_node up: run the file's tests in order"
     monkeypatch.setenv(SCALE_UP_TIMEOUT_ENV, "300")
     strategy = RayStrategy(num_workers=(1, 2), resources_per_worker={"CPU": 1, "grow": 1}, grow_check_interval_s=0)
     trainer = pl.Trainer(max_epochs=2, strategy=strategy, logger=False, enable_progress_bar=False)
-    trainer.fit(WaitsForTheSecondNode())
+    grown = tmp_path / "grown"
+    watch = threading.Thread(target=_touch_when, args=(lambda: trainer.strategy.restarts, grown), daemon=True)
+    watch.start()
+    try:
+        trainer.fit(WaitsForTheSecondNode(str(tmp_path)))
+    finally:
+        grown.touch()  # ends the watcher whatever happened
     (grow,) = trainer.strategy.restarts
     assert (grow.reason, grow.world_size, grow.epoch) == ("grow", 2, 1), grow
     assert trainer.world_size == 2 and _nodes_with("grow") == 2
     assert any("asked the autoscaler for room for 2 workers" in line for line in driver_log), driver_log
+
+
+def _touch_when(condition: Callable[[], object], path: Path) -> None:
+    """Touch ``path`` once ``condition()`` holds (or someone else touched it); bounded like the model's wait."""
+    deadline = time.monotonic() + 600
+    while not condition() and not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    path.touch()
