@@ -7,6 +7,7 @@ Restarts that resume from it are in tests/test_restarts.py (DDP and FSDP2) and t
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,3 +92,65 @@ def test_a_new_ray_cluster_in_the_same_process_gets_a_new_folder():
         storage.remove(url)
     finally:
         ray.shutdown()  # the session's Ray starts again at the next test's ray_local
+
+
+@pytest.mark.parametrize("on_the_drivers_machine", [True, False], ids=["rename", "chunks"])
+def test_large_staged_files_come_home_through_the_folder_and_small_ones_with_the_results(
+    folder, tmp_path, monkeypatch, on_the_drivers_machine
+):
+    """A rank's large file is copied into the driver's folder and only its URL comes back; the driver moves it to
+    its path (a rename beside the server, in chunks for a Ray Client's driver) and the folder is left empty."""
+    from ray_lightning.home import files
+
+    if not on_the_drivers_machine:
+        monkeypatch.setattr(driver_disk, "_local_path", lambda url: None)
+    staging = tmp_path / "staging"
+    driver_dir = tmp_path / "driver"
+    big, small = os.urandom(files.INLINE_BYTES + 7), b"epoch,loss\n0,1.0\n"
+    staged = Path(files.to_staged(str(driver_dir), str(staging)))
+    (staged / "checkpoints").mkdir(parents=True)
+    (staged / "checkpoints" / "epoch=0.ckpt").write_bytes(big)
+    (staged / "metrics.csv").write_bytes(small)
+
+    sent = files.collect(str(staging), folder)
+
+    checkpoint, log = str(driver_dir / "checkpoints" / "epoch=0.ckpt"), str(driver_dir / "metrics.csv")
+    assert sent[log] == small, "a small file travels with the results"
+    assert isinstance(sent[checkpoint], files.SentFile) and sent[checkpoint].size == len(big)
+    written = files.write(sent, files.WriteScope((str(driver_dir),)))
+    assert written == [checkpoint, log]
+    assert (driver_dir / "checkpoints" / "epoch=0.ckpt").read_bytes() == big
+    assert storage.filesystem(folder)[0].ls(storage.filesystem(folder)[1]) == [], "moved, not copied"
+
+
+def test_a_file_refused_on_the_driver_is_removed_from_the_folder(folder, tmp_path, caplog):
+    from ray_lightning.home import files
+
+    source = tmp_path / "big.bin"
+    source.write_bytes(os.urandom(files.INLINE_BYTES))
+    sent = {"/etc/not-yours.bin": files.Outbox(folder).take(str(source))}
+    assert files.write(sent, files.WriteScope((str(tmp_path / "driver"),))) == []
+    assert "refused to write /etc/not-yours.bin" in caplog.text
+    assert storage.filesystem(folder)[0].ls(storage.filesystem(folder)[1]) == []
+
+
+def test_the_mirror_sends_the_version_its_checkpoint_saw_of_a_large_file(folder, tmp_path):
+    """With a recovery checkpoint, a staged rank 0 sends what changed; a large file is linked on the training thread,
+    so the file Lightning replaces by the next epoch still goes home as it was."""
+    from ray_lightning.home import files
+
+    staging = tmp_path / "staging"
+    target = Path(files.to_staged(str(tmp_path / "driver" / "last.ckpt"), str(staging)))
+    target.parent.mkdir(parents=True)
+    first = os.urandom(files.INLINE_BYTES + 1)
+    target.write_bytes(first)
+    mirror = files.StagingMirror(str(staging), folder)
+    changed, removed = mirror.changes()
+    replacement = target.with_suffix(".tmp")
+    replacement.write_bytes(b"the next epoch's")
+    os.replace(replacement, target)  # a new file at the path, as a rename into place makes it
+    sent = mirror.send(changed)
+    assert removed == [] and isinstance(sent[str(tmp_path / "driver" / "last.ckpt")], files.SentFile)
+    files.write(sent, files.WriteScope((str(tmp_path / "driver"),)))
+    assert (tmp_path / "driver" / "last.ckpt").read_bytes() == first
+    assert not any(Path(f"{staging}-snapshots").iterdir()), "the snapshot goes once it is sent"

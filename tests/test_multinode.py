@@ -165,16 +165,27 @@ def test_horovod_hosts_and_slots_put_each_hosts_workers_on_one_node(two_node_clu
     assert layout == [(0, 2, 0, 2), (1, 2, 0, 2), (0, 2, 1, 2), (1, 2, 1, 2)]
 
 
+class WithBallast(BoringModel):
+    """A checkpoint over home.files.INLINE_BYTES: it comes home through the driver's folder, not the results."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ballast", torch.arange(2**19, dtype=torch.float32))
+
+
 def test_logs_and_checkpoints_of_rank_zero_on_another_node_land_on_the_driver(two_node_cluster, tmp_path):
     # Rank 0 runs on another node than the driver: it writes under a staging directory there, and
-    # everything comes back to the paths the driver chose (here relative to its working directory).
+    # everything comes back to the paths the driver chose (here relative to its working directory): the logs with
+    # the results, the checkpoints (2 MiB) copied by rank 0 into the driver's folder and moved into place.
     from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+
+    from ray_lightning.home import driver_disk, files
 
     loggers = [CSVLogger("logs"), TensorBoardLogger("tb")]
     checkpoint = ModelCheckpoint(monitor="val_loss")
     strategy = RayStrategy(num_workers=2, resources_per_worker={"CPU": 1, "worker_slot": 1})
     trainer = pl.Trainer(max_epochs=2, strategy=strategy, callbacks=[checkpoint], logger=loggers, log_every_n_steps=1)
-    model = BoringModel()
+    model = WithBallast()
     trainer.fit(model)
 
     csv_dir = tmp_path / "logs" / "lightning_logs" / "version_0"
@@ -185,7 +196,9 @@ def test_logs_and_checkpoints_of_rank_zero_on_another_node_land_on_the_driver(tw
     assert checkpoint.best_model_path.startswith(str(csv_dir / "checkpoints"))
     transferred = trainer.strategy.launcher.transferred_files
     assert checkpoint.best_model_path in transferred and str(csv_dir / "metrics.csv") in transferred
-    BoringModel.load_from_checkpoint(checkpoint.best_model_path)
+    assert os.path.getsize(checkpoint.best_model_path) > files.INLINE_BYTES
+    assert torch.equal(WithBallast.load_from_checkpoint(checkpoint.best_model_path).ballast, model.ballast)
+    assert os.listdir(driver_disk.server_folder()) == [], "what came through the driver's folder left it"
 
     # "best" means the file on the driver's machine; workers elsewhere get a copy.
     assert trainer.test(model, ckpt_path="best", verbose=False)[0]["test_loss"] > 0

@@ -81,3 +81,31 @@ def test_random_states_come_back():
     torch.rand(5)
     set_random_states(states)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_sharded_fits_ranks_agree_on_a_preemption_about_once_a_second_not_at_every_step(monkeypatch):
+    """The one-number all-reduce that lets one rank's notice reach all: at each of the first batches, then at the
+    interval rank 0 measured (broadcast once, so every rank agrees at the same batches)."""
+    from types import SimpleNamespace
+
+    from ray_lightning.home import recovery
+
+    broadcasts, decisions = [], []
+
+    def broadcast(value, src):
+        broadcasts.append((value, src))
+        return 25  # rank 0's interval, whatever this rank measured
+
+    def reduce_boolean_decision(decision, all):
+        decisions.append(callback._batches)
+        return False
+
+    strategy = SimpleNamespace(broadcast=broadcast, reduce_boolean_decision=reduce_boolean_decision)
+    trainer = SimpleNamespace(strategy=strategy, global_step=0)
+    callback = recovery.RecoveryCheckpoints(None, None, collective=True)
+    monkeypatch.setattr(recovery._lightning, "is_last_batch", lambda trainer: True)  # no checkpoint: the schedule only
+    for _ in range(100):
+        callback.on_train_batch_end(trainer, None, None, None, 0)
+    first = list(range(1, recovery.CALIBRATION_BATCHES + 1))
+    assert decisions == first + [25, 50, 75, 100]
+    assert len(broadcasts) == 1 and broadcasts[0][1] == 0 and broadcasts[0][0] >= 1

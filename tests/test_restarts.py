@@ -9,6 +9,7 @@ import csv
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -309,6 +310,47 @@ def test_a_sharded_fit_restarts_from_the_shards_each_rank_wrote_on_the_drivers_m
     assert ".metadata" in files and "COMPLETE.json" in files, files
     assert (trainer.current_epoch, trainer.global_step) == (3, 12)
     assert torch.equal(model.layer.weight, _reference_weights(tmp_path, RayFSDPStrategy))
+
+
+class NoticeOnRankOne(BoringModel):
+    """Rank 1 gets a preemption notice at batch ``notice`` of epoch 0, the first time only (as launch.preemption hands
+    one to the rank whose node goes). Each step takes ``step_s``, so the ranks agree on the notice within about a
+    second's steps, well before the epoch ends."""
+
+    def __init__(self, marker: str, notice: int = 10, step_s: float = 0.05):
+        super().__init__(batch_size=2, size=160)  # 40 batches per rank and epoch on two workers
+        self.marker, self.notice, self.step_s = marker, notice, step_s
+
+    def training_step(self, batch, batch_idx):
+        from ray_lightning import runtime
+        from ray_lightning.home import storage
+
+        time.sleep(self.step_s)  # a step that takes time, as a real one does
+        first_time = not os.path.exists(self.marker)
+        if self.global_rank == 1 and self.current_epoch == 0 and batch_idx == self.notice and first_time:
+            Path(self.marker).touch()
+            runtime.request_checkpoint("a test's spot notice")
+        elif self.global_rank == 1 and batch_idx > self.notice and runtime.current_context().recovery.attempt == 0:
+            newest = storage.newest_complete(runtime.current_context().recovery.storage_run)
+            if newest is not None and newest.header["preemption"] and newest.header["world_size"] == 2:
+                # The node "goes" only when the driver moves the workers: it stops this process (bounded).
+                wait_for(lambda: False, 120, "the driver to move the workers after the preemption checkpoint")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_notice_on_one_rank_of_a_sharded_fit_checkpoints_every_rank_at_one_step(tmp_path):
+    """A notice reaches one rank; without an all-reduce at every step the ranks still take the checkpoint together
+    (each its shard, at one step, soon after), and the workers move and resume there."""
+    from ray_lightning import RayFSDPStrategy
+
+    model = NoticeOnRankOne(str(tmp_path / "noticed"))
+    trainer = _trainer(tmp_path, RayFSDPStrategy(num_workers=2, max_failures=1), max_epochs=1, callbacks=[])
+    trainer.fit(model)
+    (restart,) = trainer.strategy.restarts
+    assert restart.reason == "preempted" and "another rank's worker is going away" in restart.cause, restart
+    # Agreed within about a second of steps after the notice (batch 10 ends step 11), before the epoch's end.
+    assert (restart.epoch, restart.world_size) == (0, 2) and 11 <= restart.global_step < 40, restart
+    assert trainer.global_step == 40, "resumed at that step, not at the start"
 
 
 def test_the_callers_strategy_shows_the_restarts_of_its_rebuild():

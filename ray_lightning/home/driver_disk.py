@@ -1,4 +1,5 @@
-"""Recovery checkpoints on the driver's machine without ``storage_path``, written and read by the ranks in chunks.
+"""Recovery checkpoints and files on the driver's machine without ``storage_path``, written and read by the ranks
+in chunks.
 
 A fit that may restart (``max_failures > 0``, an elastic ``num_workers``) without ``storage_path`` keeps its
 recovery checkpoints on the driver's machine, as before, so no shared filesystem is needed. The bytes do not
@@ -14,11 +15,18 @@ Growth law: every byte of a checkpoint crosses to the driver's node once, in chu
 writing rank holds one chunk beyond the copy of its part it writes from, the server one chunk per writer, the
 driver's process none. A restart's rank reads its part in the same chunks. The disk use is one checkpoint (the
 newest complete one, plus the one being written).
+
+The files the ranks off the driver's machine wrote (checkpoints of ``ModelCheckpoint``, a sharded checkpoint's
+parts, logs, what a Fabric function saved) come home the same way (:func:`send_file`, :func:`take_file`): a rank
+copies each large one into a folder of the server, in chunks, and sends only its URL; the driver moves it to its
+path (a rename: the server's folder is on its machine; a Ray Client's driver reads it in chunks).
 """
 
 from __future__ import annotations
 
 import atexit
+import os
+import shutil
 import uuid
 from typing import Any
 
@@ -35,8 +43,9 @@ _EXIT_TIMEOUT_S = 10.0  # what the driver's exit waits, at most, to remove the f
 _NAMESPACE = "ray_lightning"
 _PREFIX = "ray_lightning-recovery-"
 
-# This process's server: (the Ray cluster and job it belongs to, its name, its handle).
-_server: tuple[str, str, Any] | None = None
+# This process's server: (the Ray cluster and job it belongs to, its name, its handle, its folder when it is on this
+# machine, else None).
+_server: tuple[str, str, Any, str | None] | None = None
 
 
 def server_name() -> str:
@@ -66,7 +75,7 @@ def server_name() -> str:
         ).remote(_PREFIX)
         try:
             # Started and registered under its name before any rank looks it up.
-            ray.get(handle.root.remote(), timeout=CALL_TIMEOUT_S)
+            root = ray.get(handle.root.remote(), timeout=CALL_TIMEOUT_S)
         except Exception as error:
             raise StorageError(
                 "ray_lightning: the actor that keeps recovery checkpoints on the driver's machine did not start "
@@ -76,7 +85,7 @@ def server_name() -> str:
         if _server is None:
             # Its folder goes at exit (before Ray's own exit handler, registered earlier, shuts Ray down).
             atexit.register(stop_server)
-        _server = (job, name, handle)
+        _server = (job, name, handle, None if client else root)
     return _server[1]
 
 
@@ -96,7 +105,7 @@ def stop_server() -> None:
     global _server
     if _server is None:
         return
-    _, _, handle = _server
+    handle = _server[2]
     _server = None
     if not ray.is_initialized():
         return  # Ray was shut down: the actor ended with the job
@@ -105,6 +114,61 @@ def stop_server() -> None:
         ray.kill(handle)
     except Exception:  # noqa: BLE001 - Ray is shut down already: the folder went with the node's temp files
         pass
+
+
+def send_file(local: str, url: str) -> None:
+    """Copy the file ``local`` of this machine to ``url`` (``rlhome://<server>/<path>``), in chunks: a rank's file
+    comes home, or the driver's goes to a rank. It appears whole or not at all."""
+    mine = _local_path(url)
+    if mine is not None:  # the driver, beside its server: a copy on its own disk
+        os.makedirs(os.path.dirname(mine), exist_ok=True)
+        partial = f"{mine}.partial-{uuid.uuid4().hex[:8]}"
+        shutil.copyfile(local, partial)
+        os.replace(partial, mine)
+        return
+    filesystem = DriverDiskFileSystem()
+    with open(local, "rb") as source, filesystem.open(url, "wb") as target:
+        shutil.copyfileobj(source, target, CHUNK_BYTES)
+
+
+def take_file(url: str, local: str) -> None:
+    """Move ``url`` of a server to the path ``local`` of this machine: a rename on the server's own machine, else
+    read in chunks. ``local`` is written beside its name and renamed when whole."""
+    partial = f"{local}.partial-{uuid.uuid4().hex[:8]}"
+    mine = _local_path(url)
+    try:
+        if mine is not None:
+            shutil.move(mine, partial)
+        else:
+            filesystem = DriverDiskFileSystem()
+            with filesystem.open(url, "rb") as source, open(partial, "wb") as target:
+                shutil.copyfileobj(source, target, CHUNK_BYTES)
+            filesystem.rm(url)
+        os.replace(partial, local)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+def remove(url: str) -> None:
+    """Remove ``url`` (a file or a folder) of a server, if it is there."""
+    try:
+        DriverDiskFileSystem().rm(url, recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+def _local_path(url: str) -> str | None:
+    """Where ``url`` is on this machine, when it names this process's server and that runs here."""
+    if _server is None or _server[3] is None:
+        return None
+    name, _, relative = DriverDiskFileSystem._strip_protocol(url).partition("/")
+    if name != _server[1]:
+        return None
+    path = os.path.normpath(os.path.join(_server[3], relative))
+    if not path.startswith(_server[3] + os.sep):
+        raise ValueError(f"{url!r} is outside the driver's folder")
+    return path
 
 
 class DriverDiskFileSystem(AbstractFileSystem):

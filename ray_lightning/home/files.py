@@ -5,7 +5,9 @@ node when the driver is a Ray Client), the paths the driver chose may not exist 
 there (``/Users/alice/project`` on a Linux node). So rank 0 writes everything under a staging
 directory instead (``<tmp>/<name the launcher chose>``): each local absolute path ``P`` the
 Trainer would write under becomes ``<staging>/P``. When the call ends, every file in the staging
-directory is sent back with the results and written at its original path on the driver; if it
+directory comes home and is written at its original path on the driver: a small file with the results,
+a large one (:data:`INLINE_BYTES` or more) copied by the rank into the driver's folder in chunks
+(:mod:`.driver_disk`) and moved into place there, so no process holds it whole. If the call
 fails, the launcher fetches them from rank 0's node (:func:`fetch_after_failure`), so a crash
 loses no checkpoint. The checkpoint callbacks' state, in the ``.ckpt`` files and sent back, holds
 the driver's paths. The staging directory is private to its user (0700), and the driver writes a
@@ -52,6 +54,83 @@ class StagingArea:
 def new_staging_name() -> str:
     """A staging directory's name, unique to the call."""
     return f"ray_lightning-staging-{uuid.uuid4().hex[:12]}"
+
+
+# A file up to this size travels in memory with the results; a larger one (a checkpoint) goes through the driver's
+# folder (:mod:`.driver_disk`), as do all files once a rank's results hold INLINE_TOTAL_BYTES of them.
+INLINE_BYTES = 2**20
+INLINE_TOTAL_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class SentFile:
+    """A file a rank copied into the driver's folder (``rlhome://`` ``url``) instead of sending its bytes."""
+
+    url: str
+    size: int
+
+
+class Outbox:
+    """What a rank sends of its files: small ones as bytes, large ones copied into the driver's folder ``home``.
+
+    Growth law: the results hold at most :data:`INLINE_TOTAL_BYTES` of file bytes; a larger file crosses to the
+    driver's machine in chunks (:func:`~.driver_disk.send_file`), never whole in any process's memory. Without
+    ``home`` (no driver folder: the rank is on the driver's machine, or an old caller) every file is sent as bytes.
+    """
+
+    def __init__(self, home: str | None) -> None:
+        self._home = home
+        self._inline = 0
+
+    def take(self, path: str) -> bytes | SentFile:
+        """``path``'s bytes, or where it was copied to."""
+        size = os.path.getsize(path)
+        if self._home is None or (size < INLINE_BYTES and self._inline + size <= INLINE_TOTAL_BYTES):
+            self._inline += size
+            with open(path, "rb") as f:
+                return f.read()
+        from ray_lightning.home import driver_disk
+
+        url = f"{self._home}/{uuid.uuid4().hex}-{os.path.basename(path)}"
+        driver_disk.send_file(path, url)
+        return SentFile(url, size)
+
+
+def new_home() -> str:
+    """A new folder of the driver's server (:mod:`.driver_disk`) for one call's files that come home."""
+    from ray_lightning.home import driver_disk
+
+    return driver_disk.run_url(f"files-{uuid.uuid4().hex[:12]}")
+
+
+def remove_sent(home: str) -> None:
+    """After the call: what is left in its folder of the driver's server (files refused, a failed attempt's)."""
+    from ray_lightning.home import driver_disk
+
+    try:
+        driver_disk.remove(home)
+    except Exception as error:  # noqa: BLE001 - Ray is gone (its temp folder with it), or the server is
+        log.debug("ray_lightning: could not remove %s: %s", home, error)
+
+
+def received(data: bytes | SentFile, path: str) -> None:
+    """Write what came home for ``path`` there: the bytes, or the file moved from the driver's folder."""
+    if isinstance(data, SentFile):
+        from ray_lightning.home import driver_disk
+
+        driver_disk.take_file(data.url, path)
+    else:
+        with open(path, "wb") as f:
+            f.write(data)
+
+
+def discard(data: bytes | SentFile) -> None:
+    """What came home and is not written: its copy in the driver's folder goes."""
+    if isinstance(data, SentFile):
+        from ray_lightning.home import driver_disk
+
+        with contextlib.suppress(Exception):
+            driver_disk.remove(data.url)
 
 
 def _map_paths(trainer: pl.Trainer, mapping: Callable[[str], str]) -> None:
@@ -200,21 +279,22 @@ def _staged_value(value: Any, staging: str) -> Any:
     return _map_strings(value, lambda s: to_staged(s, staging) if os.path.isabs(s) else s)
 
 
-def collect(staging: str) -> dict[str, bytes]:
-    """Every file written under ``staging``, keyed by its path on the driver.
+def collect(staging: str, home: str | None = None) -> dict[str, bytes | SentFile]:
+    """Every file written under ``staging``, keyed by its path on the driver (large ones sent through ``home``,
+    :class:`Outbox`).
 
     Symbolic links are left out: loggers link to files of their own (W&B's ``debug.log``, ``latest-run``,
     a log under the home directory), and the files they point to either come back themselves or
     are none of the driver's business.
     """
+    outbox = Outbox(home)
     files = {}
     for directory, _, names in os.walk(staging):
         for name in names:
             path = os.path.join(directory, name)
             if os.path.islink(path):
                 continue
-            with open(path, "rb") as f:
-                files[from_staged(path, staging)] = f.read()
+            files[from_staged(path, staging)] = outbox.take(path)
     return files
 
 
@@ -223,15 +303,22 @@ class StagingMirror:
 
     A fit that may restart its workers mirrors rank 0's staged files on the driver as it trains, so
     the checkpoints of finished epochs are on the driver's machine even if rank 0's node is lost.
-    Files are compared by modification time and size; unchanged ones are not read again.
+    Files are compared by modification time and size; unchanged ones are not read again. A large changed file
+    is linked (no copy) into a snapshot beside the staging directory on the training thread, and copied to the
+    driver's folder ``home`` in the background (:meth:`send`), so the version the checkpoint saw goes home even if
+    a later epoch replaces it. (A file rewritten in place, not replaced, before its copy ends may go home half
+    old: the next checkpoint, or the call's end, sends it again.)
     """
 
-    def __init__(self, staging: str) -> None:
+    def __init__(self, staging: str, home: str | None = None) -> None:
         self._staging = staging
+        self._home = home
+        self._snapshots = f"{staging}-snapshots"
         self._seen: dict[str, tuple[int, int]] = {}
 
-    def changes(self) -> tuple[dict[str, bytes], list[str]]:
-        """``(files written or changed since the last call, files removed)``, keyed by driver paths."""
+    def changes(self) -> tuple[dict[str, Any], list[str]]:
+        """``(files written or changed since the last call, files removed)``, keyed by driver paths; a large file's
+        value is its snapshot until :meth:`send`."""
         now: dict[str, tuple[int, int]] = {}
         for directory, _, names in os.walk(self._staging):
             for name in names:
@@ -240,17 +327,48 @@ class StagingMirror:
                     if not os.path.islink(path):
                         info = os.stat(path)
                         now[path] = (info.st_mtime_ns, info.st_size)
-        changed: dict[str, bytes] = {}
+        changed: dict[str, Any] = {}
         for path, signature in now.items():
             if self._seen.get(path) != signature:
-                with contextlib.suppress(OSError), open(path, "rb") as f:
-                    changed[from_staged(path, self._staging)] = f.read()
+                with contextlib.suppress(OSError):
+                    changed[from_staged(path, self._staging)] = self._snapshot(path, signature[1])
         removed = [from_staged(path, self._staging) for path in self._seen if path not in now]
         self._seen = now
         return changed, removed
 
+    def _snapshot(self, path: str, size: int) -> bytes | _Snapshot:
+        if self._home is None or size < INLINE_BYTES:
+            with open(path, "rb") as f:
+                return f.read()
+        make_private_dir(self._snapshots)
+        snapshot = os.path.join(self._snapshots, uuid.uuid4().hex)
+        try:
+            os.link(path, snapshot)
+        except OSError:  # another filesystem, or one without links: a copy, on the training thread
+            shutil.copyfile(path, snapshot)
+        return _Snapshot(snapshot)
 
-def seed(staging: str, files: dict[str, bytes]) -> None:
+    def send(self, changed: dict[str, Any]) -> dict[str, bytes | SentFile]:
+        """``changed`` with each snapshot copied to the driver's folder (in the background, after :meth:`changes`)."""
+        outbox = Outbox(self._home)
+        sent: dict[str, bytes | SentFile] = {}
+        for path, value in changed.items():
+            if isinstance(value, _Snapshot):
+                try:
+                    sent[path] = outbox.take(value.path)
+                finally:
+                    os.remove(value.path)
+            else:
+                sent[path] = value
+        return sent
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    path: str
+
+
+def seed(staging: str, files: dict[str, bytes | SentFile]) -> None:
     """Put ``files`` (keyed by driver paths) where rank 0 staged under ``staging`` would have written them.
 
     A restarted rank 0 then finds what the fit wrote before the failure (a CSV log it appends to,
@@ -259,33 +377,35 @@ def seed(staging: str, files: dict[str, bytes]) -> None:
     for path, data in files.items():
         target = to_staged(path, staging)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        with open(target, "wb") as f:
-            f.write(data)
+        received(data, target)
 
 
-def recent(directories: Iterable[str], since: float) -> dict[str, bytes]:
-    """The files under ``directories`` modified at or after ``since`` (a ``time.time()``), keyed by path."""
-    found: dict[str, bytes] = {}
+def recent(directories: Iterable[str], since: float, home: str | None = None) -> dict[str, bytes | SentFile]:
+    """The files under ``directories`` modified at or after ``since`` (a ``time.time()``), keyed by path; large ones
+    copied into the driver's folder ``home`` (:class:`Outbox`)."""
+    outbox = Outbox(home)
+    found: dict[str, bytes | SentFile] = {}
     for root in {_resolved(d) for d in directories}:
         for directory, _, names in os.walk(root):
             for name in names:
                 path = os.path.join(directory, name)
                 with contextlib.suppress(OSError):
                     if not os.path.islink(path) and os.stat(path).st_mtime >= since:
-                        with open(path, "rb") as f:
-                            found[path] = f.read()
+                        found[path] = outbox.take(path)
     return found
 
 
-def collect_and_remove(name: str) -> dict[str, bytes]:
-    """On rank 0's node: the files of the staging directory ``name``, which is then removed."""
+def collect_and_remove(name: str, home: str | None = None) -> dict[str, bytes | SentFile]:
+    """On rank 0's node: the files of the staging directory ``name`` (large ones through ``home``), which is then
+    removed."""
     staging = staging_dir(name)
-    files = collect(staging)
+    files = collect(staging, home)
     shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(f"{staging}-snapshots", ignore_errors=True)
     return files
 
 
-def fetch_after_failure(area: StagingArea, timeout_s: float, scope: WriteScope) -> list[str]:
+def fetch_after_failure(area: StagingArea, timeout_s: float, scope: WriteScope, home: str | None = None) -> list[str]:
     """After a failed call: bring what rank 0 staged in ``area`` to the driver; returns the paths written.
 
     Runs as a 0-CPU task on that node, so it needs none of the resources the workers held.
@@ -294,7 +414,7 @@ def fetch_after_failure(area: StagingArea, timeout_s: float, scope: WriteScope) 
 
     task = ray.remote(num_cpus=0, max_retries=0)(collect_and_remove)
     on_node = NodeAffinitySchedulingStrategy(area.node_id, soft=False)
-    files = ray.get(task.options(scheduling_strategy=on_node).remote(area.name), timeout=timeout_s)
+    files = ray.get(task.options(scheduling_strategy=on_node).remote(area.name, home), timeout=timeout_s)
     return write(files, scope)
 
 
@@ -355,16 +475,17 @@ class WriteScope:
         )
 
 
-def write(files: dict[str, bytes], scope: WriteScope) -> list[str]:
+def write(files: dict[str, bytes | SentFile], scope: WriteScope) -> list[str]:
     """On the driver: write the files rank 0 sent back at their paths, where ``scope`` allows; returns those written.
 
     A file elsewhere is not written: the driver logs a warning naming it. A symbolic link at such a
     path is replaced, never written through (it may point at another of the driver's files, e.g. the
-    log of an earlier W&B run).
+    log of an earlier W&B run). A file sent through the driver's folder (:class:`SentFile`) is moved from there.
     """
     written = []
     for path, data in files.items():
         if not scope.allows(path):
+            discard(data)
             log.warning(
                 "ray_lightning: refused to write %s, sent back by rank 0: it is outside the directories this Trainer "
                 "writes to (default_root_dir, the loggers' and checkpoint callbacks' directories: %s) and no "
@@ -376,8 +497,7 @@ def write(files: dict[str, bytes], scope: WriteScope) -> list[str]:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         if os.path.islink(path):
             os.unlink(path)
-        with open(path, "wb") as f:
-            f.write(data)
+        received(data, path)
         written.append(path)
     return sorted(written)
 

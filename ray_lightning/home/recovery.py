@@ -22,7 +22,11 @@ Decisions:
   state, and nothing here waits for the other ranks. Under a sharded strategy (its
   ``collective_checkpoints``) every rank takes part, each writing its own shards
   (``strategy.checkpoint_to_storage``; FSDP1 and DeepSpeed gather on rank 0), and whether a preemption
-  asks for one is agreed by all ranks at every step (a one-number all-reduce: a notice reaches rank 0 alone).
+  asks for one is agreed by all ranks (a one-number all-reduce: a notice reaches one rank alone) about once
+  per :data:`AGREE_EVERY_S` of training, not at every step: a host-device synchronization per step would cost
+  GPUs their lead. The ranks count batches alike, so they agree at the same batch: after
+  :data:`CALIBRATION_BATCHES` batches (agreed at each), rank 0's batch time sets the interval, broadcast once.
+  A notice then waits at most about a second for its checkpoint (a spot notice gives 30 s or more).
 * Lightning's checkpoints hold no random generator state: rank 0 sends its generators' states as
   the first step after a checkpoint starts, and a restarted fit sets them on every rank at its
   first step (:class:`RestoreRandomStates`), so dropout draws the masks it would have drawn.
@@ -56,6 +60,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A sharded fit's ranks agree whether a preemption notice asks for a checkpoint about this often (see above).
+AGREE_EVERY_S = 1.0
+CALIBRATION_BATCHES = 8
+MAX_AGREE_EVERY = 1000  # batches: a bound however fast the steps
+
 EPOCH = "epoch boundary"
 
 
@@ -68,7 +77,7 @@ class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
     def __init__(
         self,
         every_n_steps: int | None,
-        staging: str | None,
+        mirror: StagingMirror | None,
         collective: bool = False,
         storage_run: storage.Run | None = None,
         call_tag: str = "",
@@ -78,10 +87,14 @@ class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
         self._storage_run = storage_run
         self._call_tag = call_tag  # the call and attempt: with a count, the folder of each checkpoint in storage
         self._taken = 0
-        self._mirror = StagingMirror(staging) if staging is not None else None
+        self._mirror = mirror  # what a staged rank 0 wrote goes home with each checkpoint
         self._last_step = -1  # the step of the newest checkpoint sent
         self._request: str | None = None  # why a checkpoint was asked for, until it is taken
+        self._pending: str | None = None  # a sharded fit's: asked of this rank, until the ranks agree on it
         self._random_states_due = False
+        self._batches = 0  # this fit's batches on this rank: the same count on every rank
+        self._agree_every = 1  # batches between the ranks' agreements on a preemption (collective only)
+        self._calibration_started: float | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -104,9 +117,15 @@ class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._request = _join(self._request, runtime.take_checkpoint_request())
-        if self._collective and trainer.strategy.reduce_boolean_decision(self._request is not None, all=False):
-            self._request = self._request or "another rank's worker is going away"
+        request = runtime.take_checkpoint_request()
+        if not self._collective:
+            self._request = _join(self._request, request)
+        else:
+            # Held until the ranks agree: a rank that checkpointed alone would wait for the others forever.
+            self._pending = _join(self._pending, request)
+            asked = self._pending is not None
+            if self._agree_now(trainer) and trainer.strategy.reduce_boolean_decision(asked, all=False):
+                self._request = self._pending or "another rank's worker is going away"
         if _lightning.is_last_batch(trainer):
             return  # Lightning skips the epoch's end when resuming from its last batch; the epoch's checkpoint follows
         step = trainer.global_step
@@ -118,13 +137,28 @@ class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Every rank takes the epoch's checkpoint: one asked for and not yet agreed is this one (rank 0 says why).
+        self._request = _join(self._request, self._pending)
         if self._request is not None:
             self._send(trainer, f"preemption: {self._request}", preemption=True)
         else:
             self._send(trainer, EPOCH)
 
+    def _agree_now(self, trainer: pl.Trainer) -> bool:
+        """Whether the ranks agree on a preemption at this batch: at each of the first batches, then about every
+        :data:`AGREE_EVERY_S` (the interval rank 0 measured, broadcast once: every rank uses the same)."""
+        self._batches += 1
+        if self._batches == 1:
+            self._calibration_started = time.perf_counter()
+        elif self._batches == CALIBRATION_BATCHES + 1:
+            assert self._calibration_started is not None
+            seconds = (time.perf_counter() - self._calibration_started) / CALIBRATION_BATCHES
+            every = max(1, min(MAX_AGREE_EVERY, int(AGREE_EVERY_S / max(seconds, 1e-6))))
+            self._agree_every = int(trainer.strategy.broadcast(every, src=0))
+        return self._batches <= CALIBRATION_BATCHES or self._batches % self._agree_every == 0
+
     def _send(self, trainer: pl.Trainer, reason: str, preemption: bool = False) -> None:
-        self._last_step, self._request = trainer.global_step, None
+        self._last_step, self._request, self._pending = trainer.global_step, None, None
         started = time.perf_counter()
         runtime.mark_progress("training", f"recovery checkpoint ({reason})")
         self._to_storage(trainer, self._header(trainer, reason, preemption), started)
@@ -163,8 +197,9 @@ class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
             done["seconds"] = done["written_at"] - wall_started
             storage.write_marker(folder, done)
             storage.remove_older_recovery(run, keep=folder)
-            files = {"files": changes[0], "removed": changes[1]} if changes is not None else None
-            send_object_to_driver(done, files)
+            mirror = self._mirror
+            sent = {"files": mirror.send(changes[0]), "removed": changes[1]} if mirror and changes else None
+            send_object_to_driver(done, sent)
 
         wall_started = time.time()
         write_checkpoint(trainer, folder, storage.CHECKPOINT_FILE, complete)

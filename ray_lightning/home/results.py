@@ -48,7 +48,8 @@ class WorkerOutput:
     callback_states: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     # What each logger learned that the driver's copy needs (checkpoints logged as artifacts), in order.
     logger_states: list[dict[str, Any]] = field(default_factory=list)
-    files: dict[str, bytes] = field(default_factory=dict)
+    # Keyed by driver paths: small files' bytes, large ones' copies in the driver's folder (home.files.Outbox).
+    files: dict[str, bytes | files.SentFile] = field(default_factory=dict)
     staged: bool = False  # rank 0 wrote its files elsewhere and sent them: `files` is all there is
     predictions: list[tuple[int, list[int], Any]] | None = None
     num_predict_dataloaders: int = 0
@@ -62,10 +63,12 @@ def collect_worker_output(
     results: Any,
     recorder: PredictionRecorder | None,
     staging: str | None,
+    home: str | None = None,
 ) -> WorkerOutput | None:
     """Runs in every worker after the Trainer function returned; None from ranks with nothing to send.
 
-    ``staging``: where rank 0 wrote its files instead of the driver's paths, if it did.
+    ``staging``: where rank 0 wrote its files instead of the driver's paths, if it did; ``home``: the driver's folder
+    its large files are copied into (:class:`~.files.Outbox`).
     """
     rank = trainer.global_rank
     fitting = trainer.state.fn == namespaces.FITTING
@@ -77,7 +80,7 @@ def collect_worker_output(
     predictions = recorder.records if recorder is not None else None
     if rank != 0:
         # A rank of a sharded strategy off the driver's machine sends its parts of the checkpoints.
-        shards = files.collect(staging) if staging is not None else {}
+        shards = files.collect(staging, home) if staging is not None else {}
         if not predictions and not shards and not weights:
             return None
         return WorkerOutput(
@@ -108,7 +111,7 @@ def collect_worker_output(
             output.callback_states.append((callback.state_key, namespaces.to_cpu(state)))
     if staging is not None:
         output.staged = True
-        output.files = _staged_files(trainer, staging)
+        output.files = _staged_files(trainer, staging, home)
     return output
 
 
@@ -125,14 +128,14 @@ def _weights_for_driver(trainer: pl.Trainer) -> list[WeightPart] | None:
     return parts_of(weights) if isinstance(weights, dict) else list(weights)
 
 
-def _staged_files(trainer: pl.Trainer, staging: str) -> dict[str, bytes]:
+def _staged_files(trainer: pl.Trainer, staging: str, home: str | None) -> dict[str, bytes | files.SentFile]:
     """What rank 0 wrote under ``staging``, and the checkpoints it wrote elsewhere, keyed by driver paths."""
-    found = files.collect(staging)
+    found = files.collect(staging, home)
+    outbox = files.Outbox(home)
     # Checkpoint callbacks added in the workers (configure_callbacks) wrote to their own paths.
     for path in _checkpoint_files(trainer):
         if not path.startswith(staging + os.sep):
-            with open(path, "rb") as f:
-                found[path] = f.read()
+            found[path] = outbox.take(path)
     return found
 
 

@@ -81,7 +81,8 @@ class BringsHome:
     def _fetch_staged_files(self, area: files.StagingArea, call: DriverCall) -> None:
         """After a failure: copy what rank 0 had written on its node (checkpoints, logs) to the driver."""
         try:
-            written = files.fetch_after_failure(area, self._strategy.workers.timeouts.start_s, call.scope)
+            timeout_s = self._strategy.workers.timeouts.start_s
+            written = files.fetch_after_failure(area, timeout_s, call.scope, call.files_home)
         except Exception as error:  # noqa: BLE001 - the node may be gone; the failure itself is what matters
             log.warning("ray_lightning: could not fetch the files rank 0 wrote before the failure: %s", error)
             return

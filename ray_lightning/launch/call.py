@@ -137,7 +137,7 @@ class WorkerCall:
                 storage.uploads().wait()  # fit returns once the last checkpoint is in storage, or raises naming it
                 storage.uploads().close()
             runtime.mark_progress("collecting the results")
-            output = collect_worker_output(trainer, results, recorder, staging)
+            output = collect_worker_output(trainer, results, recorder, staging, context.files_home)
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
         if trainer.state.fn == namespaces.FITTING:
@@ -185,7 +185,7 @@ class WorkerCall:
         # The ranks of a node share its staging directory: its local rank 0 sends it, once they all wrote.
         sent = {}
         if staging is not None and context.rank.local_rank == 0:
-            sent = files.collect(staging)
+            sent = files.collect(staging, context.files_home)
             shutil.rmtree(staging, ignore_errors=True)
         if not rank_zero and not sent:
             return None
@@ -238,7 +238,8 @@ def _add_recovery(trainer: pl.Trainer, context: WorkerContext, staging: str | No
         files.seed(staging, ray.get(plan.seed))
     if plan.attempt > 0:
         loggers.continue_logs(trainer, plan.log_step)
-    trainer.callbacks.append(RecoveryCheckpoints(plan.every_n_steps, staging, collective, run, tag))
+    mirror = files.StagingMirror(staging, context.files_home) if staging is not None else None
+    trainer.callbacks.append(RecoveryCheckpoints(plan.every_n_steps, mirror, collective, run, tag))
 
 
 def _local_checkpoint(checkpoint: runtime.CheckpointFile, scratch: contextlib.ExitStack) -> str:

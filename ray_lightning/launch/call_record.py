@@ -6,7 +6,7 @@ keep the fit).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,10 +62,21 @@ class DriverCall:
     keep_checkpoints: tuple[str, ...] = ()  # the ckpt_path given, which no rotation may remove
     marks: dict[str, float] = field(default_factory=dict)  # the driver's start-up marks (time.time())
     trainer: Any = None  # the driver's Trainer (None: a function Fabric launched)
+    # The driver's folder (home.driver_disk) the ranks that stage copy their large files into, made for the first
+    # attempt with one; removed when the call ends.
+    files_home: str | None = None
 
 
 def ranks_stage(strategy: Any, call: DriverCall) -> bool:
     return bool(getattr(strategy, "every_rank_writes", False)) and call.run is None
+
+
+def some_rank_stages(staging: files.StagingArea | None, settings: CallSettings, infos: Sequence[NodeInfo]) -> bool:
+    """Whether a rank writes its files into a staging directory this call (they then come home)."""
+    if staging is not None:
+        return True
+    driver_node = driver_node_id()
+    return settings.shard_staging is not None and any(info.node_id != driver_node for info in infos)
 
 
 def staging_area(nodes: Mapping[int, NodeInfo], settings: CallSettings) -> files.StagingArea | None:

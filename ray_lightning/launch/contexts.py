@@ -48,6 +48,8 @@ class CallSettings:
     # directory per node, which that node's ranks share as a local disk (a function Fabric launched reads what
     # another rank of its node saved, and a sharded checkpoint's parts on a node are one directory).
     node_staging: bool = False
+    # Where ranks that stage copy their large files for the driver (home.driver_disk); None: no rank stages.
+    files_home: str | None = None
 
     def marker_of(self, rank: int) -> str | None:
         return f"{self.output_marker}-{rank}" if self.output_marker is not None else None
@@ -112,6 +114,7 @@ def build_contexts(
             recovery=recovery if recovery is None or rank.global_rank == 0 else replace(recovery, seed=None),
             niceness=niceness,
             keep_checkpoints=call.keep_checkpoints,
+            files_home=call.files_home,
         )
         for rank, info, (visible, index) in zip(ranks, infos, devices)
     ]

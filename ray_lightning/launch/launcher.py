@@ -51,6 +51,7 @@ from ray_lightning.launch.call_record import (
     keeps_fit,
     ranks_stage,
     seed_directories,
+    some_rank_stages,
     staging_area,
     stop_check,
     wait_for_output,
@@ -192,6 +193,8 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
         finally:
             self._running = None
             call.recovery.close()
+            if call.files_home is not None:
+                files.remove_sent(call.files_home)
             if call.growth is not None:
                 call.growth.close()
 
@@ -293,6 +296,9 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
             call.marks.setdefault("workers up, their imports done (driver)", time.time())
             nodes = {r.global_rank: info for r, info in zip(group.ranks, infos)}
             staging = staging_area(nodes, settings) if call.run is None else None
+            if call.files_home is None and some_rank_stages(staging, settings, infos):
+                call.files_home = files.new_home()
+            settings = replace(settings, files_home=call.files_home)
             contexts = self._contexts(group, infos, staging, settings, call)
             watchdog = Watchdog([r.global_rank for r in group.ranks], infos, timeouts.progress_s, timeouts.start_s)
             outputs = group.run(
@@ -373,7 +379,7 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
         plan = call.recovery.plan(infos, fitting)
         if plan is not None and staging is not None and call.recovery.restarts:
             # A restarted rank 0 that stages starts from what this call wrote so far (logs it appends to).
-            plan = replace(plan, seed=ray.put(call.recovery.seed_files(call.seed_directories)))
+            plan = replace(plan, seed=ray.put(call.recovery.seed_files(call.seed_directories, call.files_home)))
         return build_contexts(group.ranks, infos, point, driver_node, staging, shipped, settings, plan)
 
 

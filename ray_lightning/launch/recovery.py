@@ -278,13 +278,14 @@ class Recovery:
         final.__cause__ = error.__cause__
         return final
 
-    def seed_files(self, directories: Iterable[str]) -> dict[str, bytes]:
-        """What this call wrote on the driver's side so far: a new staged rank 0 starts from it."""
-        seeds = files.recent(directories, self.started)
+    def seed_files(self, directories: Iterable[str], home: str | None = None) -> dict[str, Any]:
+        """What this call wrote on the driver's side so far: a new staged rank 0 starts from it (large files copied
+        into the driver's folder ``home``, which rank 0 reads in chunks: :class:`~.files.Outbox`)."""
+        seeds = files.recent(directories, self.started, home)
+        outbox = files.Outbox(home)
         for path in self._synced:
             if path not in seeds and os.path.isfile(path):
-                with open(path, "rb") as f:
-                    seeds[path] = f.read()
+                seeds[path] = outbox.take(path)
         return seeds
 
     def close(self) -> None:
