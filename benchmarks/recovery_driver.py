@@ -6,7 +6,7 @@ Started by :mod:`benchmarks.recovery`, once per case and repeat. The driver conn
 harness's Ray cluster before any timer starts, then fits :class:`BenchModule` for ``spec.epochs``
 epochs of ``spec.steps`` steps (recovery cases: rank ``spec.kill_rank`` SIGKILLs itself once, after
 optimizer step ``spec.kill_step``) or ``spec.cadence_epochs`` epochs of ``spec.cadence_steps`` steps
-(cadence cases, no failure).
+(cadence cases, no failure; RayStrategy, or RayFSDPStrategy in the ``fsdp_`` cases).
 
 Every process is on one machine, so the times that rank 0 and the killed rank write to files compare
 with each other and with the driver's ``time.time()``.
@@ -75,6 +75,9 @@ class Case:
     every_n: bool = False  # a checkpoint every spec.every_n steps besides the epoch ends
     # Recovery cases: the Ray Train case with the same cadence, the ratio's denominator.
     against: str | None = None
+    sharded: bool = False  # RayFSDPStrategy instead of RayStrategy
+    # Cadence cases: the max_failures=0 case of the same strategy, the percentages' denominator.
+    baseline: str | None = None
 
 
 CASES: dict[str, Case] = {
@@ -102,8 +105,33 @@ CASES: dict[str, Case] = {
             every_n=True,
         ),
         Case("ray_mf0", "RayStrategy(max_failures=0): no recovery checkpoints", "cadence", max_failures=0),
-        Case("ray_mf1", "RayStrategy(max_failures=1): a checkpoint at every epoch end (the default)", "cadence"),
-        Case("ray_mf1_n", "RayStrategy(max_failures=1, recovery_checkpoint_every_n_steps=N)", "cadence", every_n=True),
+        Case(
+            "ray_mf1",
+            "RayStrategy(max_failures=1): a checkpoint at every epoch end (the default)",
+            "cadence",
+            baseline="ray_mf0",
+        ),
+        Case(
+            "ray_mf1_n",
+            "RayStrategy(max_failures=1, recovery_checkpoint_every_n_steps=N)",
+            "cadence",
+            every_n=True,
+            baseline="ray_mf0",
+        ),
+        Case(
+            "fsdp_mf0",
+            "RayFSDPStrategy(max_failures=0): sharded, no recovery checkpoints",
+            "cadence",
+            max_failures=0,
+            sharded=True,
+        ),
+        Case(
+            "fsdp_mf1",
+            "RayFSDPStrategy(max_failures=1): sharded, a checkpoint at every epoch end (the default)",
+            "cadence",
+            sharded=True,
+            baseline="fsdp_mf0",
+        ),
     )
 }
 
@@ -192,11 +220,13 @@ def _trainer_arguments(spec: Spec, epochs: int) -> dict[str, Any]:
 
 
 def _ray_lightning_fit(spec: RecoverySpec, case: Case, paths: Paths) -> dict[str, Any]:
-    from ray_lightning import RayStrategy
+    from ray_lightning import RayFSDPStrategy, RayStrategy
 
     sizes, epochs = spec.shape(case.part)
     every_n = {"recovery_checkpoint_every_n_steps": spec.every_n} if case.every_n else {}
-    strategy = RayStrategy(num_workers=spec.workers, max_failures=case.max_failures, **every_n)
+    # RayFSDPStrategy shards BenchModule itself (its `net` one FSDP unit) before configure_optimizers runs.
+    kind = RayFSDPStrategy if case.sharded else RayStrategy
+    strategy = kind(num_workers=spec.workers, max_failures=case.max_failures, **every_n)
     trainer = pl.Trainer(
         **_trainer_arguments(sizes, epochs),
         strategy=strategy,
