@@ -112,7 +112,7 @@ def test_large_staged_files_come_home_through_the_folder_and_small_ones_with_the
     (staged / "checkpoints" / "epoch=0.ckpt").write_bytes(big)
     (staged / "metrics.csv").write_bytes(small)
 
-    sent = files.collect(str(staging), folder)
+    sent = files.collect(str(staging), files.Outbox(folder))
 
     checkpoint, log = str(driver_dir / "checkpoints" / "epoch=0.ckpt"), str(driver_dir / "metrics.csv")
     assert sent[log] == small, "a small file travels with the results"
@@ -154,3 +154,19 @@ def test_the_mirror_sends_the_version_its_checkpoint_saw_of_a_large_file(folder,
     files.write(sent, files.WriteScope((str(tmp_path / "driver"),)))
     assert (tmp_path / "driver" / "last.ckpt").read_bytes() == first
     assert not any(Path(f"{staging}-snapshots").iterdir()), "the snapshot goes once it is sent"
+
+
+def test_a_ranks_results_hold_at_most_the_inline_budget_of_small_files(folder, tmp_path):
+    from ray_lightning.home import files
+
+    staging, driver_dir = tmp_path / "staging", tmp_path / "driver"
+    staged = Path(files.to_staged(str(driver_dir), str(staging)))
+    staged.mkdir(parents=True)
+    for n in range(20):  # 20 files just under INLINE_BYTES: together over INLINE_TOTAL_BYTES
+        (staged / f"{n}.log").write_bytes(os.urandom(files.INLINE_BYTES - 1))
+    sent = files.collect(str(staging), files.Outbox(folder))
+    inline = [data for data in sent.values() if isinstance(data, bytes)]
+    assert len(sent) == 20 and sum(map(len, inline)) <= files.INLINE_TOTAL_BYTES
+    assert len(inline) == files.INLINE_TOTAL_BYTES // (files.INLINE_BYTES - 1), "the rest went through the folder"
+    written = files.write(sent, files.WriteScope((str(driver_dir),)))
+    assert len(written) == 20 and all(os.path.getsize(p) == files.INLINE_BYTES - 1 for p in written)

@@ -61,7 +61,7 @@ def test_staging_moves_every_directory_and_maps_back(tmp_path):
         "best_model_path": best[len(staging) :],
         "best_k_models": {best[len(staging) :]: 0.5},
     }
-    files = driver_files.collect(staging)
+    files = driver_files.collect(staging, driver_files.Outbox(None))
     assert files == {best[len(staging) :]: b"weights"}
     assert driver_files.write(files, scope) == [best[len(staging) :]]
     with open(best[len(staging) :], "rb") as f:
@@ -85,7 +85,7 @@ def test_symbolic_links_are_neither_sent_nor_written_through(tmp_path):
     (staged_dir / "debug.log").symlink_to(staged_dir / "run-2" / "logs" / "debug.log")
     (staged_dir / "latest-run").symlink_to(staged_dir / "run-2", target_is_directory=True)
 
-    files = driver_files.collect(str(staging))
+    files = driver_files.collect(str(staging), driver_files.Outbox(None))
     assert files == {str(driver_dir / "run-2" / "logs" / "debug.log"): b"rank 0's log"}
 
     # On the driver, debug.log links to an earlier run's log, which must survive the write.

@@ -82,18 +82,28 @@ class Outbox:
         self._home = home
         self._inline = 0
 
+    def fits(self, size: int) -> bool:
+        """Whether a file of ``size`` bytes goes with the results (then counted against their budget)."""
+        if self._home is not None and (size >= INLINE_BYTES or self._inline + size > INLINE_TOTAL_BYTES):
+            return False
+        self._inline += size
+        return True
+
     def take(self, path: str) -> bytes | SentFile:
         """``path``'s bytes, or where it was copied to."""
-        size = os.path.getsize(path)
-        if self._home is None or (size < INLINE_BYTES and self._inline + size <= INLINE_TOTAL_BYTES):
-            self._inline += size
+        if self.fits(os.path.getsize(path)):
             with open(path, "rb") as f:
                 return f.read()
+        return self.send(path)
+
+    def send(self, path: str) -> SentFile:
+        """Copy ``path`` into the driver's folder, in chunks."""
         from ray_lightning.home import driver_disk
 
+        assert self._home is not None, "a file is sent through the driver's folder only when there is one"
         url = f"{self._home}/{uuid.uuid4().hex}-{os.path.basename(path)}"
         driver_disk.send_file(path, url)
-        return SentFile(url, size)
+        return SentFile(url, os.path.getsize(path))
 
 
 def new_home() -> str:
@@ -104,7 +114,8 @@ def new_home() -> str:
 
 
 def remove_sent(home: str) -> None:
-    """After the call: what is left in its folder of the driver's server (files refused, a failed attempt's)."""
+    """``home`` (a call's folder, or one file of it) from the driver's server: after the call, what is left in it (a
+    failed attempt's files); a file the driver refused."""
     from ray_lightning.home import driver_disk
 
     try:
@@ -127,10 +138,7 @@ def received(data: bytes | SentFile, path: str) -> None:
 def discard(data: bytes | SentFile) -> None:
     """What came home and is not written: its copy in the driver's folder goes."""
     if isinstance(data, SentFile):
-        from ray_lightning.home import driver_disk
-
-        with contextlib.suppress(Exception):
-            driver_disk.remove(data.url)
+        remove_sent(data.url)
 
 
 def _map_paths(trainer: pl.Trainer, mapping: Callable[[str], str]) -> None:
@@ -279,15 +287,13 @@ def _staged_value(value: Any, staging: str) -> Any:
     return _map_strings(value, lambda s: to_staged(s, staging) if os.path.isabs(s) else s)
 
 
-def collect(staging: str, home: str | None = None) -> dict[str, bytes | SentFile]:
-    """Every file written under ``staging``, keyed by its path on the driver (large ones sent through ``home``,
-    :class:`Outbox`).
+def collect(staging: str, outbox: Outbox) -> dict[str, bytes | SentFile]:
+    """Every file written under ``staging``, keyed by its path on the driver (large ones sent through ``outbox``).
 
     Symbolic links are left out: loggers link to files of their own (W&B's ``debug.log``, ``latest-run``,
     a log under the home directory), and the files they point to either come back themselves or
     are none of the driver's business.
     """
-    outbox = Outbox(home)
     files = {}
     for directory, _, names in os.walk(staging):
         for name in names:
@@ -328,16 +334,17 @@ class StagingMirror:
                         info = os.stat(path)
                         now[path] = (info.st_mtime_ns, info.st_size)
         changed: dict[str, Any] = {}
+        outbox = Outbox(self._home)
         for path, signature in now.items():
             if self._seen.get(path) != signature:
                 with contextlib.suppress(OSError):
-                    changed[from_staged(path, self._staging)] = self._snapshot(path, signature[1])
+                    changed[from_staged(path, self._staging)] = self._snapshot(path, outbox.fits(signature[1]))
         removed = [from_staged(path, self._staging) for path in self._seen if path not in now]
         self._seen = now
         return changed, removed
 
-    def _snapshot(self, path: str, size: int) -> bytes | _Snapshot:
-        if self._home is None or size < INLINE_BYTES:
+    def _snapshot(self, path: str, inline: bool) -> bytes | _Snapshot:
+        if inline:
             with open(path, "rb") as f:
                 return f.read()
         make_private_dir(self._snapshots)
@@ -355,7 +362,7 @@ class StagingMirror:
         for path, value in changed.items():
             if isinstance(value, _Snapshot):
                 try:
-                    sent[path] = outbox.take(value.path)
+                    sent[path] = outbox.send(value.path)
                 finally:
                     os.remove(value.path)
             else:
@@ -380,10 +387,9 @@ def seed(staging: str, files: dict[str, bytes | SentFile]) -> None:
         received(data, target)
 
 
-def recent(directories: Iterable[str], since: float, home: str | None = None) -> dict[str, bytes | SentFile]:
+def recent(directories: Iterable[str], since: float, outbox: Outbox) -> dict[str, bytes | SentFile]:
     """The files under ``directories`` modified at or after ``since`` (a ``time.time()``), keyed by path; large ones
-    copied into the driver's folder ``home`` (:class:`Outbox`)."""
-    outbox = Outbox(home)
+    sent through ``outbox``."""
     found: dict[str, bytes | SentFile] = {}
     for root in {_resolved(d) for d in directories}:
         for directory, _, names in os.walk(root):
@@ -399,7 +405,7 @@ def collect_and_remove(name: str, home: str | None = None) -> dict[str, bytes | 
     """On rank 0's node: the files of the staging directory ``name`` (large ones through ``home``), which is then
     removed."""
     staging = staging_dir(name)
-    files = collect(staging, home)
+    files = collect(staging, Outbox(home))
     shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(f"{staging}-snapshots", ignore_errors=True)
     return files

@@ -80,7 +80,7 @@ def collect_worker_output(
     predictions = recorder.records if recorder is not None else None
     if rank != 0:
         # A rank of a sharded strategy off the driver's machine sends its parts of the checkpoints.
-        shards = files.collect(staging, home) if staging is not None else {}
+        shards = files.collect(staging, files.Outbox(home)) if staging is not None else {}
         if not predictions and not shards and not weights:
             return None
         return WorkerOutput(
@@ -130,8 +130,8 @@ def _weights_for_driver(trainer: pl.Trainer) -> list[WeightPart] | None:
 
 def _staged_files(trainer: pl.Trainer, staging: str, home: str | None) -> dict[str, bytes | files.SentFile]:
     """What rank 0 wrote under ``staging``, and the checkpoints it wrote elsewhere, keyed by driver paths."""
-    found = files.collect(staging, home)
-    outbox = files.Outbox(home)
+    outbox = files.Outbox(home)  # one budget for all of rank 0's files
+    found = files.collect(staging, outbox)
     # Checkpoint callbacks added in the workers (configure_callbacks) wrote to their own paths.
     for path in _checkpoint_files(trainer):
         if not path.startswith(staging + os.sep):

@@ -185,7 +185,7 @@ class WorkerCall:
         # The ranks of a node share its staging directory: its local rank 0 sends it, once they all wrote.
         sent = {}
         if staging is not None and context.rank.local_rank == 0:
-            sent = files.collect(staging, context.files_home)
+            sent = files.collect(staging, files.Outbox(context.files_home))
             shutil.rmtree(staging, ignore_errors=True)
         if not rank_zero and not sent:
             return None

@@ -281,8 +281,8 @@ class Recovery:
     def seed_files(self, directories: Iterable[str], home: str | None = None) -> dict[str, Any]:
         """What this call wrote on the driver's side so far: a new staged rank 0 starts from it (large files copied
         into the driver's folder ``home``, which rank 0 reads in chunks: :class:`~.files.Outbox`)."""
-        seeds = files.recent(directories, self.started, home)
         outbox = files.Outbox(home)
+        seeds = files.recent(directories, self.started, outbox)
         for path in self._synced:
             if path not in seeds and os.path.isfile(path):
                 seeds[path] = outbox.take(path)
