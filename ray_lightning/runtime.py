@@ -102,7 +102,7 @@ class WorkerContext:
     niceness: int | None = None
     # Checkpoints no rotation of ModelCheckpoint's may remove: the ckpt_path the call was given (Lightning#21813).
     keep_checkpoints: tuple[str, ...] = ()
-    # Where a rank that stages copies its large files for the driver (``rlhome://``, home.files.Outbox); None: it
+    # Where a rank that stages copies its large files for the driver (``rlhome://``, home.outbox.Outbox); None: it
     # sends them as bytes (no rank stages).
     files_home: str | None = None
 

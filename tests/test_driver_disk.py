@@ -100,36 +100,38 @@ def test_large_staged_files_come_home_through_the_folder_and_small_ones_with_the
 ):
     """A rank's large file is copied into the driver's folder and only its URL comes back; the driver moves it to
     its path (a rename beside the server, in chunks for a Ray Client's driver) and the folder is left empty."""
-    from ray_lightning.home import files
+    from ray_lightning.home import files, landing
+    from ray_lightning.home.outbox import INLINE_BYTES, Outbox, SentFile
 
     if not on_the_drivers_machine:
         monkeypatch.setattr(driver_disk, "_local_path", lambda url: None)
     staging = tmp_path / "staging"
     driver_dir = tmp_path / "driver"
-    big, small = os.urandom(files.INLINE_BYTES + 7), b"epoch,loss\n0,1.0\n"
+    big, small = os.urandom(INLINE_BYTES + 7), b"epoch,loss\n0,1.0\n"
     staged = Path(files.to_staged(str(driver_dir), str(staging)))
     (staged / "checkpoints").mkdir(parents=True)
     (staged / "checkpoints" / "epoch=0.ckpt").write_bytes(big)
     (staged / "metrics.csv").write_bytes(small)
 
-    sent = files.collect(str(staging), files.Outbox(folder))
+    sent = files.collect(str(staging), Outbox(folder))
 
     checkpoint, log = str(driver_dir / "checkpoints" / "epoch=0.ckpt"), str(driver_dir / "metrics.csv")
     assert sent[log] == small, "a small file travels with the results"
-    assert isinstance(sent[checkpoint], files.SentFile) and sent[checkpoint].size == len(big)
-    written = files.write(sent, files.WriteScope((str(driver_dir),)))
+    assert isinstance(sent[checkpoint], SentFile) and sent[checkpoint].size == len(big)
+    written = landing.write(sent, landing.WriteScope((str(driver_dir),)))
     assert written == [checkpoint, log]
     assert (driver_dir / "checkpoints" / "epoch=0.ckpt").read_bytes() == big
     assert storage.filesystem(folder)[0].ls(storage.filesystem(folder)[1]) == [], "moved, not copied"
 
 
 def test_a_file_refused_on_the_driver_is_removed_from_the_folder(folder, tmp_path, caplog):
-    from ray_lightning.home import files
+    from ray_lightning.home import landing
+    from ray_lightning.home.outbox import INLINE_BYTES, Outbox
 
     source = tmp_path / "big.bin"
-    source.write_bytes(os.urandom(files.INLINE_BYTES))
-    sent = {"/etc/not-yours.bin": files.Outbox(folder).take(str(source))}
-    assert files.write(sent, files.WriteScope((str(tmp_path / "driver"),))) == []
+    source.write_bytes(os.urandom(INLINE_BYTES))
+    sent = {"/etc/not-yours.bin": Outbox(folder).take(str(source))}
+    assert landing.write(sent, landing.WriteScope((str(tmp_path / "driver"),))) == []
     assert "refused to write /etc/not-yours.bin" in caplog.text
     assert storage.filesystem(folder)[0].ls(storage.filesystem(folder)[1]) == []
 
@@ -137,12 +139,13 @@ def test_a_file_refused_on_the_driver_is_removed_from_the_folder(folder, tmp_pat
 def test_the_mirror_sends_the_version_its_checkpoint_saw_of_a_large_file(folder, tmp_path):
     """With a recovery checkpoint, a staged rank 0 sends what changed; a large file is linked on the training thread,
     so the file Lightning replaces by the next epoch still goes home as it was."""
-    from ray_lightning.home import files
+    from ray_lightning.home import files, landing
+    from ray_lightning.home.outbox import INLINE_BYTES, SentFile
 
     staging = tmp_path / "staging"
     target = Path(files.to_staged(str(tmp_path / "driver" / "last.ckpt"), str(staging)))
     target.parent.mkdir(parents=True)
-    first = os.urandom(files.INLINE_BYTES + 1)
+    first = os.urandom(INLINE_BYTES + 1)
     target.write_bytes(first)
     mirror = files.StagingMirror(str(staging), folder)
     changed, removed = mirror.changes()
@@ -150,23 +153,24 @@ def test_the_mirror_sends_the_version_its_checkpoint_saw_of_a_large_file(folder,
     replacement.write_bytes(b"the next epoch's")
     os.replace(replacement, target)  # a new file at the path, as a rename into place makes it
     sent = mirror.send(changed)
-    assert removed == [] and isinstance(sent[str(tmp_path / "driver" / "last.ckpt")], files.SentFile)
-    files.write(sent, files.WriteScope((str(tmp_path / "driver"),)))
+    assert removed == [] and isinstance(sent[str(tmp_path / "driver" / "last.ckpt")], SentFile)
+    landing.write(sent, landing.WriteScope((str(tmp_path / "driver"),)))
     assert (tmp_path / "driver" / "last.ckpt").read_bytes() == first
     assert not any(Path(f"{staging}-snapshots").iterdir()), "the snapshot goes once it is sent"
 
 
 def test_a_ranks_results_hold_at_most_the_inline_budget_of_small_files(folder, tmp_path):
-    from ray_lightning.home import files
+    from ray_lightning.home import files, landing
+    from ray_lightning.home.outbox import INLINE_BYTES, INLINE_TOTAL_BYTES, Outbox
 
     staging, driver_dir = tmp_path / "staging", tmp_path / "driver"
     staged = Path(files.to_staged(str(driver_dir), str(staging)))
     staged.mkdir(parents=True)
     for n in range(20):  # 20 files just under INLINE_BYTES: together over INLINE_TOTAL_BYTES
-        (staged / f"{n}.log").write_bytes(os.urandom(files.INLINE_BYTES - 1))
-    sent = files.collect(str(staging), files.Outbox(folder))
+        (staged / f"{n}.log").write_bytes(os.urandom(INLINE_BYTES - 1))
+    sent = files.collect(str(staging), Outbox(folder))
     inline = [data for data in sent.values() if isinstance(data, bytes)]
-    assert len(sent) == 20 and sum(map(len, inline)) <= files.INLINE_TOTAL_BYTES
-    assert len(inline) == files.INLINE_TOTAL_BYTES // (files.INLINE_BYTES - 1), "the rest went through the folder"
-    written = files.write(sent, files.WriteScope((str(driver_dir),)))
-    assert len(written) == 20 and all(os.path.getsize(p) == files.INLINE_BYTES - 1 for p in written)
+    assert len(sent) == 20 and sum(map(len, inline)) <= INLINE_TOTAL_BYTES
+    assert len(inline) == INLINE_TOTAL_BYTES // (INLINE_BYTES - 1), "the rest went through the folder"
+    written = landing.write(sent, landing.WriteScope((str(driver_dir),)))
+    assert len(written) == 20 and all(os.path.getsize(p) == INLINE_BYTES - 1 for p in written)

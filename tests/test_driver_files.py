@@ -13,6 +13,8 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
 from ray_lightning.home import files as driver_files
+from ray_lightning.home import landing
+from ray_lightning.home.outbox import Outbox
 
 
 def _trainer(**kwargs) -> pl.Trainer:
@@ -42,7 +44,7 @@ def test_staging_moves_every_directory_and_maps_back(tmp_path):
     trainer = _trainer()
     driver_files.make_absolute(trainer)
     driver_paths = _directories(trainer)
-    scope = driver_files.WriteScope.of(trainer)
+    scope = landing.WriteScope.of(trainer)
     staging = str(tmp_path / "staging")
 
     driver_files.stage(trainer, staging)
@@ -61,9 +63,9 @@ def test_staging_moves_every_directory_and_maps_back(tmp_path):
         "best_model_path": best[len(staging) :],
         "best_k_models": {best[len(staging) :]: 0.5},
     }
-    files = driver_files.collect(staging, driver_files.Outbox(None))
+    files = driver_files.collect(staging, Outbox(None))
     assert files == {best[len(staging) :]: b"weights"}
-    assert driver_files.write(files, scope) == [best[len(staging) :]]
+    assert landing.write(files, scope) == [best[len(staging) :]]
     with open(best[len(staging) :], "rb") as f:
         assert f.read() == b"weights"
 
@@ -85,7 +87,7 @@ def test_symbolic_links_are_neither_sent_nor_written_through(tmp_path):
     (staged_dir / "debug.log").symlink_to(staged_dir / "run-2" / "logs" / "debug.log")
     (staged_dir / "latest-run").symlink_to(staged_dir / "run-2", target_is_directory=True)
 
-    files = driver_files.collect(str(staging), driver_files.Outbox(None))
+    files = driver_files.collect(str(staging), Outbox(None))
     assert files == {str(driver_dir / "run-2" / "logs" / "debug.log"): b"rank 0's log"}
 
     # On the driver, debug.log links to an earlier run's log, which must survive the write.
@@ -93,9 +95,7 @@ def test_symbolic_links_are_neither_sent_nor_written_through(tmp_path):
     earlier.parent.mkdir(parents=True)
     earlier.write_text("the driver's log")
     (driver_dir / "debug.log").symlink_to(earlier)
-    driver_files.write(
-        {str(driver_dir / "debug.log"): b"new"}, driver_files.WriteScope((os.path.realpath(driver_dir),))
-    )
+    landing.write({str(driver_dir / "debug.log"): b"new"}, landing.WriteScope((os.path.realpath(driver_dir),)))
     assert earlier.read_text() == "the driver's log"
     assert not (driver_dir / "debug.log").is_symlink() and (driver_dir / "debug.log").read_text() == "new"
 
@@ -126,7 +126,7 @@ def test_the_staging_directory_is_private_to_its_user(tmp_path):
 def test_the_driver_writes_only_where_its_trainer_writes(tmp_path, caplog):
     trainer = _trainer(default_root_dir="runs")
     driver_files.make_absolute(trainer)
-    scope = driver_files.WriteScope.of(trainer)
+    scope = landing.WriteScope.of(trainer)
     home = tmp_path / "home"
     home.mkdir()
     (tmp_path / "runs").mkdir()
@@ -139,8 +139,8 @@ def test_the_driver_writes_only_where_its_trainer_writes(tmp_path, caplog):
         str(home / ".bashrc"): b"evil",
         "../home/.bashrc": b"evil",
     }
-    with caplog.at_level("WARNING", logger="ray_lightning.home.files"):
-        written = driver_files.write(sent, scope)
+    with caplog.at_level("WARNING", logger="ray_lightning.home.landing"):
+        written = landing.write(sent, scope)
     assert written == sorted(
         [
             str(tmp_path / "ckpts" / "epoch=0.ckpt"),
@@ -148,7 +148,7 @@ def test_the_driver_writes_only_where_its_trainer_writes(tmp_path, caplog):
         ]
     )
     assert list(home.iterdir()) == []
-    refused = [r.getMessage() for r in caplog.records if r.name == "ray_lightning.home.files"]
+    refused = [r.getMessage() for r in caplog.records if r.name == "ray_lightning.home.landing"]
     assert len(refused) == 4 and all("ray_lightning: refused to write" in m for m in refused)
     assert any(str(home / ".bashrc") in m for m in refused) and any("escape/.profile" in m for m in refused)
 
@@ -156,25 +156,25 @@ def test_the_driver_writes_only_where_its_trainer_writes(tmp_path, caplog):
 def test_checkpoints_the_workers_own_callbacks_name_are_written_anywhere(tmp_path, caplog):
     # configure_callbacks' ModelCheckpoint(dirpath="/data/ckpts") writes where it likes: the files
     # its state names come back, other files there do not.
-    scope = driver_files.WriteScope.of(pl.Trainer(default_root_dir=str(tmp_path / "runs"), logger=False))
+    scope = landing.WriteScope.of(pl.Trainer(default_root_dir=str(tmp_path / "runs"), logger=False))
     elsewhere = tmp_path / "data" / "ckpts"
     best, last = str(elsewhere / "epoch=1.ckpt"), str(elsewhere / "last.ckpt")
     state = {"dirpath": str(elsewhere), "best_k_models": {best: 0.1}, "best_model_path": best, "last_model_path": last}
     claimed = {**state, "best_model_path": str(tmp_path / ".bashrc")}  # not a checkpoint file
     scope = scope.with_checkpoints([("ModelCheckpoint{...}", state), ("Other", claimed), ("Plain", {"x": 1})])
     sent = {best: b"1", last: b"2", str(elsewhere / "notes.txt"): b"3", str(tmp_path / ".bashrc"): b"4"}
-    with caplog.at_level("WARNING", logger="ray_lightning.home.files"):
-        assert driver_files.write(sent, scope) == [best, last]
+    with caplog.at_level("WARNING", logger="ray_lightning.home.landing"):
+        assert landing.write(sent, scope) == [best, last]
     assert not (tmp_path / ".bashrc").exists()
-    assert len([r for r in caplog.records if r.name == "ray_lightning.home.files"]) == 2
+    assert len([r for r in caplog.records if r.name == "ray_lightning.home.landing"]) == 2
 
 
 def test_a_fabric_functions_staged_files_land_at_the_paths_it_gave(tmp_path):
     # Without a Trainer (fabric.launch) only fabric.save and the loggers stage: they come home where the
     # function said, after it returned and after a failure alike (launch.launcher), wherever that is.
-    scope = driver_files.WriteScope.of(None)
+    scope = landing.WriteScope.of(None)
     sent = {str(tmp_path / "ckpt" / "last.ckpt"): b"1", str(tmp_path / "elsewhere" / "metrics.csv"): b"2"}
-    assert driver_files.write(sent, scope) == sorted(sent)
+    assert landing.write(sent, scope) == sorted(sent)
     assert (tmp_path / "ckpt" / "last.ckpt").read_bytes() == b"1"
 
 
@@ -185,7 +185,7 @@ def test_a_staged_checkpoint_state_outside_the_trainers_directories_is_not_loade
 
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpts"))
     trainer = pl.Trainer(callbacks=[checkpoint], logger=False, default_root_dir=str(tmp_path))
-    scope = driver_files.WriteScope.of(trainer)
+    scope = landing.WriteScope.of(trainer)
     outside = "/etc/ray_lightning-test"
     state = {"dirpath": outside, "best_k_models": {}, "best_model_path": "", "last_model_path": ""}
     output = WorkerOutput(global_rank=0, callback_states=[(checkpoint.state_key, state)], staged=True)

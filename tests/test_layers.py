@@ -140,6 +140,18 @@ def test_functions_are_short():
     assert not long, "\n".join(long)
 
 
+MAX_MODULE_LINES = 400  # issue 39: a module a reader can hold; split one along jobs a reader can name
+
+
+def test_modules_are_short():
+    long = [
+        f"{_where(p)} has {n} lines"
+        for p in MODULES.values()
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not long, "\n".join(long)
+
+
 # Private Lightning names: every one we rely on is in ray_lightning._lightning.PRIVATE_NAMES.
 _PRIVATE_ATTRIBUTES = {p.name.split(".")[0] for p in PRIVATE_NAMES if p.name.startswith("_")} | set(WRAPPED)
 

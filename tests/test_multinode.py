@@ -166,7 +166,7 @@ def test_horovod_hosts_and_slots_put_each_hosts_workers_on_one_node(two_node_clu
 
 
 class WithBallast(BoringModel):
-    """A checkpoint over home.files.INLINE_BYTES: it comes home through the driver's folder, not the results."""
+    """A checkpoint over home.outbox.INLINE_BYTES: it comes home through the driver's folder, not the results."""
 
     def __init__(self):
         super().__init__()
@@ -179,7 +179,8 @@ def test_logs_and_checkpoints_of_rank_zero_on_another_node_land_on_the_driver(tw
     # the results, the checkpoints (2 MiB) copied by rank 0 into the driver's folder and moved into place.
     from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
-    from ray_lightning.home import driver_disk, files
+    from ray_lightning.home import driver_disk
+    from ray_lightning.home.outbox import INLINE_BYTES
 
     loggers = [CSVLogger("logs"), TensorBoardLogger("tb")]
     checkpoint = ModelCheckpoint(monitor="val_loss")
@@ -196,7 +197,7 @@ def test_logs_and_checkpoints_of_rank_zero_on_another_node_land_on_the_driver(tw
     assert checkpoint.best_model_path.startswith(str(csv_dir / "checkpoints"))
     transferred = trainer.strategy.launcher.transferred_files
     assert checkpoint.best_model_path in transferred and str(csv_dir / "metrics.csv") in transferred
-    assert os.path.getsize(checkpoint.best_model_path) > files.INLINE_BYTES
+    assert os.path.getsize(checkpoint.best_model_path) > INLINE_BYTES
     assert torch.equal(WithBallast.load_from_checkpoint(checkpoint.best_model_path).ballast, model.ballast)
     assert os.listdir(driver_disk.server_folder()) == [], "what came through the driver's folder left it"
 

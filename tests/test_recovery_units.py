@@ -10,7 +10,8 @@ from pytorch_lightning.loggers import CSVLogger
 from ray_lightning._lightning.loggers import continue_csv_log
 from ray_lightning.config.restarts import RecoverySettings
 from ray_lightning.errors import WorkerDiedError
-from ray_lightning.home.files import StagingMirror, WriteScope, to_staged
+from ray_lightning.home.files import StagingMirror, to_staged
+from ray_lightning.home.landing import WriteScope
 from ray_lightning.home.recovery import random_states, set_random_states
 from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.failures import Failure, Kind

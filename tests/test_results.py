@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from ray_lightning.home.files import WriteScope
+from ray_lightning.home.landing import WriteScope
 from ray_lightning.home.predictions import merge_predictions
 from ray_lightning.home.results import WorkerOutput, apply_to_driver
 from ray_lightning.home.weights import WeightPart, load_chunks, pack, pack_in_chunks, unpack

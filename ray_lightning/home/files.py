@@ -6,12 +6,12 @@ there (``/Users/alice/project`` on a Linux node). So rank 0 writes everything un
 directory instead (``<tmp>/<name the launcher chose>``): each local absolute path ``P`` the
 Trainer would write under becomes ``<staging>/P``. When the call ends, every file in the staging
 directory comes home and is written at its original path on the driver: a small file with the results,
-a large one (:data:`INLINE_BYTES` or more) copied by the rank into the driver's folder in chunks
+a large one (:data:`~.outbox.INLINE_BYTES` or more) copied by the rank into the driver's folder in chunks
 (:mod:`.driver_disk`) and moved into place there, so no process holds it whole. If the call
 fails, the launcher fetches them from rank 0's node (:func:`fetch_after_failure`), so a crash
 loses no checkpoint. The checkpoint callbacks' state, in the ``.ckpt`` files and sent back, holds
 the driver's paths. The staging directory is private to its user (0700), and the driver writes a
-file only where its Trainer writes (:class:`WriteScope`).
+file only where its Trainer writes (:class:`~.landing.WriteScope`).
 
 The directory attributes rewritten here are Lightning's (:func:`ray_lightning._lightning.directory_holders`).
 """
@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from ray_lightning import _lightning, namespaces
+from ray_lightning.home.landing import WriteScope, resolved, write
+from ray_lightning.home.outbox import Outbox, SentFile, received
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -54,91 +56,6 @@ class StagingArea:
 def new_staging_name() -> str:
     """A staging directory's name, unique to the call."""
     return f"ray_lightning-staging-{uuid.uuid4().hex[:12]}"
-
-
-# A file up to this size travels in memory with the results; a larger one (a checkpoint) goes through the driver's
-# folder (:mod:`.driver_disk`), as do all files once a rank's results hold INLINE_TOTAL_BYTES of them.
-INLINE_BYTES = 2**20
-INLINE_TOTAL_BYTES = 16 * 2**20
-
-
-@dataclass(frozen=True)
-class SentFile:
-    """A file a rank copied into the driver's folder (``rlhome://`` ``url``) instead of sending its bytes."""
-
-    url: str
-    size: int
-
-
-class Outbox:
-    """What a rank sends of its files: small ones as bytes, large ones copied into the driver's folder ``home``.
-
-    Growth law: the results hold at most :data:`INLINE_TOTAL_BYTES` of file bytes; a larger file crosses to the
-    driver's machine in chunks (:func:`~.driver_disk.send_file`), never whole in any process's memory. Without
-    ``home`` (no driver folder: the rank is on the driver's machine, or an old caller) every file is sent as bytes.
-    """
-
-    def __init__(self, home: str | None) -> None:
-        self._home = home
-        self._inline = 0
-
-    def fits(self, size: int) -> bool:
-        """Whether a file of ``size`` bytes goes with the results (then counted against their budget)."""
-        if self._home is not None and (size >= INLINE_BYTES or self._inline + size > INLINE_TOTAL_BYTES):
-            return False
-        self._inline += size
-        return True
-
-    def take(self, path: str) -> bytes | SentFile:
-        """``path``'s bytes, or where it was copied to."""
-        if self.fits(os.path.getsize(path)):
-            with open(path, "rb") as f:
-                return f.read()
-        return self.send(path)
-
-    def send(self, path: str) -> SentFile:
-        """Copy ``path`` into the driver's folder, in chunks."""
-        from ray_lightning.home import driver_disk
-
-        assert self._home is not None, "a file is sent through the driver's folder only when there is one"
-        url = f"{self._home}/{uuid.uuid4().hex}-{os.path.basename(path)}"
-        driver_disk.send_file(path, url)
-        return SentFile(url, os.path.getsize(path))
-
-
-def new_home() -> str:
-    """A new folder of the driver's server (:mod:`.driver_disk`) for one call's files that come home."""
-    from ray_lightning.home import driver_disk
-
-    return driver_disk.run_url(f"files-{uuid.uuid4().hex[:12]}")
-
-
-def remove_sent(home: str) -> None:
-    """``home`` (a call's folder, or one file of it) from the driver's server: after the call, what is left in it (a
-    failed attempt's files); a file the driver refused."""
-    from ray_lightning.home import driver_disk
-
-    try:
-        driver_disk.remove(home)
-    except Exception as error:  # noqa: BLE001 - Ray is gone (its temp folder with it), or the server is
-        log.debug("ray_lightning: could not remove %s: %s", home, error)
-
-
-def received(data: bytes | SentFile, path: str) -> None:
-    """Write what came home for ``path`` there: the bytes, or the file moved from the driver's folder."""
-    if isinstance(data, SentFile):
-        from ray_lightning.home import driver_disk
-
-        driver_disk.take_file(data.url, path)
-    else:
-        with open(path, "wb") as f:
-            f.write(data)
-
-
-def discard(data: bytes | SentFile) -> None:
-    """What came home and is not written: its copy in the driver's folder goes."""
-    if isinstance(data, SentFile):
-        remove_sent(data.url)
 
 
 def _map_paths(trainer: pl.Trainer, mapping: Callable[[str], str]) -> None:
@@ -391,7 +308,7 @@ def recent(directories: Iterable[str], since: float, outbox: Outbox) -> dict[str
     """The files under ``directories`` modified at or after ``since`` (a ``time.time()``), keyed by path; large ones
     sent through ``outbox``."""
     found: dict[str, bytes | SentFile] = {}
-    for root in {_resolved(d) for d in directories}:
+    for root in {resolved(d) for d in directories}:
         for directory, _, names in os.walk(root):
             for name in names:
                 path = os.path.join(directory, name)
@@ -422,97 +339,3 @@ def fetch_after_failure(area: StagingArea, timeout_s: float, scope: WriteScope, 
     on_node = NodeAffinitySchedulingStrategy(area.node_id, soft=False)
     files = ray.get(task.options(scheduling_strategy=on_node).remote(area.name, home), timeout=timeout_s)
     return write(files, scope)
-
-
-def _resolved(path: str) -> str:
-    """``path`` absolute, normalised (no ``..``) and with every symbolic link in it followed."""
-    return os.path.realpath(os.path.abspath(os.path.expanduser(path)))
-
-
-CHECKPOINT_EXTENSION = ".ckpt"  # ModelCheckpoint.FILE_EXTENSION, the same in both namespaces
-_CHECKPOINT_FILES = ("best_model_path", "last_model_path", "kth_best_model_path")
-
-
-@dataclass(frozen=True)
-class WriteScope:
-    """Where the driver lets the files rank 0 sends back land.
-
-    ``directories``: the Trainer's ``default_root_dir``, the loggers' and the checkpoint callbacks'
-    directories, as the driver had them before the launch (:meth:`of`): every file Lightning
-    writes for these lives under one of them. ``files``: the checkpoint files that checkpoint
-    callbacks the workers added themselves (``configure_callbacks``) name in their state, which
-    may be anywhere (:meth:`with_checkpoints`). Paths are compared after following symbolic links,
-    so neither ``..`` nor a link can lead a write elsewhere (``~/.bashrc``).
-    """
-
-    directories: tuple[str, ...] = ()
-    files: frozenset[str] = frozenset()
-    # A function without a Trainer (Fabric's launch): what its ranks staged is what it wrote through
-    # fabric.save and its loggers, at the paths it gave them, wherever those are.
-    everywhere: bool = False
-
-    @classmethod
-    def of(cls, trainer: pl.Trainer | None, more: Iterable[str] = ()) -> WriteScope:
-        """On the driver, before launching (after :func:`make_absolute`); ``more``: other directories
-        rank 0 writes to (the loggers' stores, :func:`ray_lightning.home.loggers.output_directories`).
-        Without a Trainer: every path (see ``everywhere``)."""
-        if trainer is None:
-            return cls(everywhere=True)
-        found = [*_lightning.output_directories(trainer), *more]
-        return cls(tuple(sorted({_resolved(p) for p in found if _lightning.is_local_file_protocol(p)})))
-
-    def with_checkpoints(self, callback_states: list[tuple[str, dict[str, Any]]]) -> WriteScope:
-        """Also the checkpoint files (``*.ckpt``) named in the workers' checkpoint callbacks' states."""
-        named = set()
-        for _, state in callback_states:
-            if isinstance(state, dict) and "best_k_models" in state and "dirpath" in state:
-                named.update(str(p) for p in state["best_k_models"])
-                named.update(str(state.get(k) or "") for k in _CHECKPOINT_FILES)
-        checkpoints = {_resolved(p) for p in named if p.endswith(CHECKPOINT_EXTENSION)}
-        return WriteScope(self.directories, self.files | checkpoints, self.everywhere)
-
-    def allows(self, path: str) -> bool:
-        if self.everywhere:
-            return True
-        # The directories are followed; a link in the last place is replaced by the write, not followed.
-        resolved = os.path.join(_resolved(os.path.dirname(path) or "."), os.path.basename(path))
-        return resolved in self.files or any(
-            resolved == d or resolved.startswith(d.rstrip(os.sep) + os.sep) for d in self.directories
-        )
-
-
-def write(files: dict[str, bytes | SentFile], scope: WriteScope) -> list[str]:
-    """On the driver: write the files rank 0 sent back at their paths, where ``scope`` allows; returns those written.
-
-    A file elsewhere is not written: the driver logs a warning naming it. A symbolic link at such a
-    path is replaced, never written through (it may point at another of the driver's files, e.g. the
-    log of an earlier W&B run). A file sent through the driver's folder (:class:`SentFile`) is moved from there.
-    """
-    written = []
-    for path, data in files.items():
-        if not scope.allows(path):
-            discard(data)
-            log.warning(
-                "ray_lightning: refused to write %s, sent back by rank 0: it is outside the directories this Trainer "
-                "writes to (default_root_dir, the loggers' and checkpoint callbacks' directories: %s) and no "
-                "checkpoint callback named it as a checkpoint.",
-                path,
-                ", ".join(scope.directories) or "none",
-            )
-            continue
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        if os.path.islink(path):
-            os.unlink(path)
-        received(data, path)
-        written.append(path)
-    return sorted(written)
-
-
-def remove(paths: Iterable[str], scope: WriteScope) -> list[str]:
-    """On the driver: remove files rank 0 removed (a checkpoint its callback replaced), where ``scope`` allows."""
-    removed = []
-    for path in paths:
-        if scope.allows(path) and os.path.isfile(path) and not os.path.islink(path):
-            os.remove(path)
-            removed.append(path)
-    return sorted(removed)

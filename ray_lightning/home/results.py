@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ray_lightning import _lightning, namespaces
-from ray_lightning.home import files, loggers
+from ray_lightning.home import files, landing, loggers
 from ray_lightning.home.optimizers import apply_on_driver, settings_for_driver
+from ray_lightning.home.outbox import Outbox, SentFile
 from ray_lightning.home.predictions import PredictionRecorder
 from ray_lightning.home.weights import WeightPart, load_chunks, pack_in_chunks, parts_of
 
@@ -48,8 +49,8 @@ class WorkerOutput:
     callback_states: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     # What each logger learned that the driver's copy needs (checkpoints logged as artifacts), in order.
     logger_states: list[dict[str, Any]] = field(default_factory=list)
-    # Keyed by driver paths: small files' bytes, large ones' copies in the driver's folder (home.files.Outbox).
-    files: dict[str, bytes | files.SentFile] = field(default_factory=dict)
+    # Keyed by driver paths: small files' bytes, large ones' copies in the driver's folder (home.outbox.Outbox).
+    files: dict[str, bytes | SentFile] = field(default_factory=dict)
     staged: bool = False  # rank 0 wrote its files elsewhere and sent them: `files` is all there is
     predictions: list[tuple[int, list[int], Any]] | None = None
     num_predict_dataloaders: int = 0
@@ -68,7 +69,7 @@ def collect_worker_output(
     """Runs in every worker after the Trainer function returned; None from ranks with nothing to send.
 
     ``staging``: where rank 0 wrote its files instead of the driver's paths, if it did; ``home``: the driver's folder
-    its large files are copied into (:class:`~.files.Outbox`).
+    its large files are copied into (:class:`~.outbox.Outbox`).
     """
     rank = trainer.global_rank
     fitting = trainer.state.fn == namespaces.FITTING
@@ -80,7 +81,7 @@ def collect_worker_output(
     predictions = recorder.records if recorder is not None else None
     if rank != 0:
         # A rank of a sharded strategy off the driver's machine sends its parts of the checkpoints.
-        shards = files.collect(staging, files.Outbox(home)) if staging is not None else {}
+        shards = files.collect(staging, Outbox(home)) if staging is not None else {}
         if not predictions and not shards and not weights:
             return None
         return WorkerOutput(
@@ -128,9 +129,9 @@ def _weights_for_driver(trainer: pl.Trainer) -> list[WeightPart] | None:
     return parts_of(weights) if isinstance(weights, dict) else list(weights)
 
 
-def _staged_files(trainer: pl.Trainer, staging: str, home: str | None) -> dict[str, bytes | files.SentFile]:
+def _staged_files(trainer: pl.Trainer, staging: str, home: str | None) -> dict[str, bytes | SentFile]:
     """What rank 0 wrote under ``staging``, and the checkpoints it wrote elsewhere, keyed by driver paths."""
-    outbox = files.Outbox(home)  # one budget for all of rank 0's files
+    outbox = Outbox(home)  # one budget for all of rank 0's files
     found = files.collect(staging, outbox)
     # Checkpoint callbacks added in the workers (configure_callbacks) wrote to their own paths.
     for path in _checkpoint_files(trainer):
@@ -151,11 +152,11 @@ def _checkpoint_files(trainer: pl.Trainer) -> set[str]:
 
 
 def apply_to_driver(
-    trainer: pl.Trainer, output: WorkerOutput, scope: files.WriteScope, weight_chunks: Iterable[Any] = ()
+    trainer: pl.Trainer, output: WorkerOutput, scope: landing.WriteScope, weight_chunks: Iterable[Any] = ()
 ) -> list[str]:
     """Make the driver's Trainer and module look as if rank 0's run had happened here.
 
-    ``scope``: where the files rank 0 sent back may be written (:class:`~.files.WriteScope`, made
+    ``scope``: where the files rank 0 sent back may be written (:class:`~.landing.WriteScope`, made
     before the launch). ``weight_chunks``: the chunks of trained weights the workers hold, as the
     launcher fetches them (:mod:`.weights`). Returns the paths of the files written.
     """
@@ -183,10 +184,10 @@ def apply_to_driver(
     scope = scope.with_checkpoints(output.callback_states)
     _load_callback_states(trainer, output, scope)
     loggers.load_states(trainer, output.logger_states)
-    return files.write(loggers.arriving_files(trainer, output.files), scope)
+    return landing.write(loggers.arriving_files(trainer, output.files), scope)
 
 
-def _load_callback_states(trainer: pl.Trainer, output: WorkerOutput, scope: files.WriteScope) -> None:
+def _load_callback_states(trainer: pl.Trainer, output: WorkerOutput, scope: landing.WriteScope) -> None:
     remaining = list(output.callback_states)
     for callback in trainer.callbacks:
         match = next((i for i, (key, _) in enumerate(remaining) if key == callback.state_key), None)
@@ -200,7 +201,7 @@ def _load_callback_states(trainer: pl.Trainer, output: WorkerOutput, scope: file
 
 
 def _load_checkpoint_callback(
-    callback: Any, state: dict[str, Any], output: WorkerOutput, scope: files.WriteScope
+    callback: Any, state: dict[str, Any], output: WorkerOutput, scope: landing.WriteScope
 ) -> None:
     dirpath = state.get("dirpath", callback.dirpath)
     if output.staged and dirpath and not scope.allows(str(dirpath)):

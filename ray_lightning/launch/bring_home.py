@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray_lightning import namespaces
 from ray_lightning.channel.timings import startup_breakdown, table
-from ray_lightning.home import files
+from ray_lightning.home import files, landing
 from ray_lightning.home.predictions import merge_predictions
 from ray_lightning.home.results import WorkerOutput, apply_to_driver
 from ray_lightning.launch.call_record import Attempt, DriverCall
@@ -52,11 +52,11 @@ class BringsHome:
         for output in outputs:
             if output is not None and output is not rank_zero and output.files:
                 # Other ranks' parts of sharded checkpoints, beside rank 0's.
-                written += files.write(output.files, call.scope.with_checkpoints(rank_zero.callback_states))
+                written += landing.write(output.files, call.scope.with_checkpoints(rank_zero.callback_states))
         synced = call.recovery.synced
         if rank_zero.staged:
             # What rank 0 mirrored here during the call and no longer had at its end, it removed.
-            files.remove(synced - set(rank_zero.files), call.scope)
+            landing.remove(synced - set(rank_zero.files), call.scope)
         transferred = (set(self.transferred_files) | synced | set(written)) - {""}
         self.transferred_files = sorted(p for p in transferred if os.path.isfile(p))
         if self.transferred_files:
@@ -72,7 +72,7 @@ class BringsHome:
         """A function without a Trainer (Fabric's): the files ranks off this machine wrote, at the paths they
         gave (``fabric.save``, the loggers' directories: the only writes that stage), and rank 0's return value."""
         sent = {path: data for o in outputs if o is not None for path, data in o.files.items()}
-        self.transferred_files = files.write(sent, scope)
+        self.transferred_files = landing.write(sent, scope)
         if self.transferred_files:
             copied = ", ".join(self.transferred_files)
             log.info("ray_lightning: copied %s from the workers' nodes to this machine", copied)

@@ -29,6 +29,7 @@ from ray_lightning.channel.progress import readable_output
 from ray_lightning.channel.worker_output import end_of_output
 from ray_lightning.data.elastic import ElasticTraining
 from ray_lightning.home import files, loggers, storage
+from ray_lightning.home.outbox import Outbox
 from ray_lightning.home.predictions import PredictionRecorder
 from ray_lightning.home.recovery import RecoveryCheckpoints, RestoreRandomStates
 from ray_lightning.home.results import WorkerOutput, collect_worker_output
@@ -185,7 +186,7 @@ class WorkerCall:
         # The ranks of a node share its staging directory: its local rank 0 sends it, once they all wrote.
         sent = {}
         if staging is not None and context.rank.local_rank == 0:
-            sent = files.collect(staging, files.Outbox(context.files_home))
+            sent = files.collect(staging, Outbox(context.files_home))
             shutil.rmtree(staging, ignore_errors=True)
         if not rank_zero and not sent:
             return None

@@ -15,7 +15,7 @@ import ray
 from ray_lightning import namespaces
 from ray_lightning.channel.worker_output import output_sync
 from ray_lightning.errors import RayWorkerError
-from ray_lightning.home import files, storage
+from ray_lightning.home import files, landing, storage
 from ray_lightning.home.results import WorkerOutput
 from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.contexts import CallSettings, node_staging_name
@@ -53,7 +53,7 @@ class DriverCall:
     payload: ray.ObjectRef
     checkpoint: str | None  # the ckpt_path file on this machine, if any
     recovery: Recovery
-    scope: files.WriteScope  # where the files rank 0 sends back may land
+    scope: landing.WriteScope  # where the files rank 0 sends back may land
     seed_directories: list[str]  # where this call's own logs and checkpoints go
     run: storage.Run | None = None  # with storage_path: the run's folder, where the ranks write everything
     checkpoint_in_place: bool = False  # every worker reads that file where it is (a Tune trial's, in Tune's storage)

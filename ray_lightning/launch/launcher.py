@@ -39,8 +39,9 @@ from ray_lightning.channel.worker_output import output_sync
 from ray_lightning.config.elastic import ElasticSettings
 from ray_lightning.environment import RayEnvironment
 from ray_lightning.errors import RayWorkerError, WorkerDiedError, WorkerHangError
-from ray_lightning.home import files, loggers, storage
+from ray_lightning.home import files, landing, loggers, storage
 from ray_lightning.home.optimizers import left_on_driver
+from ray_lightning.home.outbox import new_home, remove_sent
 from ray_lightning.launch import idle_pool
 from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.after_fit import LastFit
@@ -153,7 +154,7 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
         if trainer is not None:
             # Where rank 0 writes and which logger runs it continues (home.loggers).
             loggers.prepare_on_driver(trainer)
-        scope = files.WriteScope.of(trainer, loggers.output_directories(trainer) if trainer else ())
+        scope = landing.WriteScope.of(trainer, loggers.output_directories(trainer) if trainer else ())
         given = given_checkpoint(function, args, kwargs)
         with left_on_driver(trainer):
             payload = put_payload(trainer, function, args, kwargs, None if trainer is not None else self._strategy)
@@ -194,7 +195,7 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
             self._running = None
             call.recovery.close()
             if call.files_home is not None:
-                files.remove_sent(call.files_home)
+                remove_sent(call.files_home)
             if call.growth is not None:
                 call.growth.close()
 
@@ -297,7 +298,7 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
             nodes = {r.global_rank: info for r, info in zip(group.ranks, infos)}
             staging = staging_area(nodes, settings) if call.run is None else None
             if call.files_home is None and some_rank_stages(staging, settings, infos):
-                call.files_home = files.new_home()
+                call.files_home = new_home()
             settings = replace(settings, files_home=call.files_home)
             contexts = self._contexts(group, infos, staging, settings, call)
             watchdog = Watchdog([r.global_rank for r in group.ranks], infos, timeouts.progress_s, timeouts.start_s)

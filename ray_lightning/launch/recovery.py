@@ -33,7 +33,8 @@ import ray
 from ray_lightning.config.elastic import ElasticSettings
 from ray_lightning.config.restarts import RecoverySettings
 from ray_lightning.errors import RayWorkerError, WorkerPreemptedError
-from ray_lightning.home import driver_disk, files, storage
+from ray_lightning.home import driver_disk, files, landing, storage
+from ray_lightning.home.outbox import Outbox
 from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.failures import RESIZES, Failure, Kind
 from ray_lightning.launch.preemption import forget_notice
@@ -86,7 +87,7 @@ class Recovery:
     def __init__(
         self,
         settings: RecoverySettings,
-        scope: files.WriteScope,
+        scope: landing.WriteScope,
         history: list[Restart],
         run: storage.Run | None = None,
         elastic: ElasticSettings | None = None,
@@ -190,7 +191,7 @@ class Recovery:
             return
         self._latest = _checkpoint_in_storage(header)
         if value is not None:
-            self.mirror(files.write(value["files"], self._scope), files.remove(value["removed"], self._scope))
+            self.mirror(landing.write(value["files"], self._scope), landing.remove(value["removed"], self._scope))
         log.debug("ray_lightning: recovery checkpoint at epoch %s, step %s in %s", *_where(header))
         if header.get("preemption"):
             self._going_away = header
@@ -280,8 +281,8 @@ class Recovery:
 
     def seed_files(self, directories: Iterable[str], home: str | None = None) -> dict[str, Any]:
         """What this call wrote on the driver's side so far: a new staged rank 0 starts from it (large files copied
-        into the driver's folder ``home``, which rank 0 reads in chunks: :class:`~.files.Outbox`)."""
-        outbox = files.Outbox(home)
+        into the driver's folder ``home``, which rank 0 reads in chunks: :class:`~ray_lightning.home.outbox.Outbox`)."""
+        outbox = Outbox(home)
         seeds = files.recent(directories, self.started, outbox)
         for path in self._synced:
             if path not in seeds and os.path.isfile(path):
