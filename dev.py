@@ -70,6 +70,12 @@ SAFETENSORS_VERSION = "0.8.0"  # what LitGPT needs beyond the test extra
 WHEEL_CACHE = Path(os.environ.get("RAY_LIGHTNING_WHEEL_CACHE", Path.home() / ".cache" / "ray_lightning" / "wheels"))
 # `dev.py bench NAME` runs benchmarks/NAME.py instead of the training-speed benchmark (benchmarks/run.py).
 BENCHMARKS = ("data", "elastic", "fabric", "recovery", "sharded", "step", "storage", "tune")
+# `dev.py test` alone: the whole suite on two pytest processes (pytest-xdist), each running one test file at a
+# time, so a module's fixtures (its cluster of several nodes, the workers its fits share) stay in one process; the
+# slowest files are handed out first (tests/conftest.py, SLOWEST_FIRST). Why two: one process left about a quarter
+# of two cores idle (Ray's start-ups and waits; the suite took 75 min, on two processes 55), and a third process on
+# two cores would only stretch every test's bounded waits. With arguments, one process, as pytest runs.
+SUITE_PROCESSES = ("-n", "2", "--dist", "loadfile", "--no-loadscope-reorder")
 # Everything whose change means the environment must be brought up to date.
 INSTALL_INPUTS = ("setup.py", "dev.py")
 
@@ -265,7 +271,7 @@ def main(argv: list[str]) -> int:
     elif "--fast" in argv:  # tests/conftest.py marks the tier
         cmd = [str(PYTHON), "-m", "pytest", "-m", "fast", *(a for a in argv[1:] if a != "--fast")]
     else:  # the whole suite reports its 20 slowest tests (the suite's time is a budget: CI has 90 minutes)
-        cmd = [str(PYTHON), "-m", "pytest", *(argv[1:] or ["--durations=20"])]
+        cmd = [str(PYTHON), "-m", "pytest", *(argv[1:] or [*SUITE_PROCESSES, "--durations=20"])]
     print("+", " ".join(cmd), flush=True)
     code = subprocess.run(cmd, cwd=ROOT, env=env).returncode
     if argv[0] == "test" and len(argv) == 1:

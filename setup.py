@@ -37,6 +37,8 @@ setup(
             "pytorch-lightning>=2.4",
             "pytest>=8",
             "pytest-timeout",
+            # The whole suite runs on two pytest processes, one test file each at a time (dev.py).
+            "pytest-xdist>=3.6",
             "scikit-learn",
             # The benchmark reports' figures (benchmarks/plots.py).
             "matplotlib",
