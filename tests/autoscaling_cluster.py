@@ -125,7 +125,33 @@ class AutoscalingCluster:
         timeout_s: float = 120,
     ) -> Iterator[AutoscalingCluster]:
         """Start the head (1 CPU and ``head_resources``) with an autoscaler (v1, or ``v2``) that may add
-        ``max_workers`` nodes of each type in ``node_types`` (name: resources)."""
+        ``max_workers`` nodes of each type in ``node_types`` (name: resources).
+
+        Started again on new ports (up to 3 times) when `ray start` fails to start: free_port() only says a port
+        was free, and another process (the suite's other pytest process, dev.py runs two) may bind it first."""
+        for attempt in (1, 2, 3):
+            cluster = cls._launch(node_types, max_workers, head_resources, v2)
+            try:
+                wait_for(cluster._started, timeout_s, f"the autoscaling head at {cluster.address} to start")
+                break
+            except BaseException as error:
+                cluster.stop()
+                if attempt == 3 or "Failed to start" not in str(error):
+                    raise
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+
+    @classmethod
+    def _launch(
+        cls,
+        node_types: dict[str, dict[str, float]],
+        max_workers: int,
+        head_resources: dict[str, float] | None,
+        v2: bool,
+    ) -> AutoscalingCluster:
+        """`ray start --head` on ports free now, not yet waited for."""
         # Short on purpose: Ray puts Unix sockets under <temp dir>/session_.../sockets/.
         temp_dir = Path(tempfile.mkdtemp(prefix="ras-", dir="/tmp"))
         port = free_port()
@@ -166,12 +192,7 @@ class AutoscalingCluster:
             process = subprocess.Popen(
                 command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=temp_dir, start_new_session=True
             )
-        cluster = cls(temp_dir, port, process, env, log, v2)
-        try:
-            wait_for(cluster._started, timeout_s, f"the autoscaling head at {cluster.address} to start")
-            yield cluster
-        finally:
-            cluster.stop()
+        return cls(temp_dir, port, process, env, log, v2)
 
     def _started(self) -> bool:
         if self.process.poll() is not None:

@@ -9,7 +9,6 @@ minute) do not serve another; the tests run in file order.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -50,28 +49,13 @@ def autoscaling_cluster(request) -> Iterator[AutoscalingCluster]:
     """This process connected to a new autoscaling cluster (the session's local Ray starts again afterwards)."""
     ray.shutdown()
     v2 = request.param == "v2"
-    with contextlib.ExitStack() as stack:
-        cluster = _started(stack, v2)
+    with AutoscalingCluster.start(NODE_TYPES, max_workers=2, head_resources={"shared": 1}, v2=v2) as cluster:
         try:
             ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
             _wait_until_published(cluster)
             yield cluster
         finally:
             ray.shutdown()
-
-
-def _started(stack: contextlib.ExitStack, v2: bool) -> AutoscalingCluster:
-    """The cluster, started again on new ports if `ray start` found one taken: free_port() only says a port was free,
-    and the suite's other pytest process (dev.py runs two) starts Ray processes that bind ports of their own."""
-    for attempt in (1, 2, 3):
-        try:
-            return stack.enter_context(
-                AutoscalingCluster.start(NODE_TYPES, max_workers=2, head_resources={"shared": 1}, v2=v2)
-            )
-        except RuntimeError as error:
-            if attempt == 3 or "Failed to start" not in str(error):
-                raise
-    raise AssertionError("unreachable")
 
 
 def _wait_until_published(cluster: AutoscalingCluster, timeout_s: float = 120) -> None:
