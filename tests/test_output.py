@@ -122,11 +122,17 @@ def test_a_fit_shows_rank_zeros_bar_on_the_drivers_console(capsys):
 
 
 class PrintsManyLines(BoringModel):
-    """Prints at the very end of training, on every rank, to stdout and stderr."""
+    """Prints at the very end of training, on every rank, to stdout and stderr.
+
+    Each rank's lines carry a word of their own: Ray folds lines that differ only in numbers across
+    workers into one "[repeated Nx across cluster]" line (RAY_DEDUP_LOGS), which would leave which
+    rank's last line shows to chance; here the point is that nothing arrives after fit returns.
+    """
 
     def on_train_end(self):
+        name = ("zero", "one")[self.global_rank]
         for i in range(300):
-            print(f"worker line rank={self.global_rank} i={i}")
+            print(f"worker line rank={self.global_rank} {name} i={i}")
         print(f"worker error line rank={self.global_rank}", file=sys.stderr)
 
 
@@ -147,7 +153,8 @@ def test_every_line_a_worker_printed_arrives_before_fit_returns(capsys):
     captured = capsys.readouterr()
     out, err = captured.out, captured.err
     for rank in (0, 1):
-        assert f"rank={rank} i=299" in out, out[-2000:]
-        assert out.index(f"rank={rank} i=299") < out.index("DRIVER: fit returned")
+        last = f"rank={rank} {('zero', 'one')[rank]} i=299"
+        assert last in out, out[-2000:]
+        assert out.index(last) < out.index("DRIVER: fit returned")
         assert err.index(f"worker error line rank={rank}") < err.index("DRIVER: fit returned")
     assert "end-of-call" not in out + err  # the markers themselves are never shown
