@@ -12,8 +12,8 @@ import math
 
 import pytest
 
-from benchmarks.elastic import METRICS
 from benchmarks.elastic_driver import CONTENDERS
+from benchmarks.elastic_report import METRICS
 from tests.benchmark_runs import run_benchmark
 
 # The benchmark starts its own Ray cluster (a head and three worker nodes) in a subprocess, never the tests' Ray.

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.storage import METRICS
 from benchmarks.storage_driver import CASES
+from benchmarks.storage_report import METRICS
 from tests.benchmark_runs import run_benchmark
 
 SMOKE_CASES = (
