@@ -23,7 +23,8 @@ from functools import partial
 from typing import Any
 
 from benchmarks import run
-from benchmarks.data_driver import BASELINE, CONTENDERS, CPU_GROUPS, TinyConvNet
+from benchmarks.data_cpu import CPU_GROUPS
+from benchmarks.data_driver import BASELINE, CONTENDERS, TinyConvNet
 from benchmarks.data_restart import FRACTIONS
 from benchmarks.data_rows import DataSpec, preprocess_row
 from benchmarks.report import Metric, cell, failure_lines, summarize

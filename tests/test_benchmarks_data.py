@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.data import METRICS
-from benchmarks.data_driver import CPU_GROUPS
+from benchmarks.data_cpu import CPU_GROUPS
 from tests.benchmark_runs import run_benchmark
 
 SMOKE_CONTENDERS = ("ray_data", "ray_train", "torch_loader", "restart_at_10")
