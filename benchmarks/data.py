@@ -22,7 +22,7 @@ import time
 from functools import partial
 from typing import Any
 
-from benchmarks import run
+from benchmarks import options, run
 from benchmarks.data_cpu import CPU_GROUPS
 from benchmarks.data_driver import BASELINE, CONTENDERS, TinyConvNet
 from benchmarks.data_restart import FRACTIONS
@@ -51,7 +51,9 @@ def _check(args: argparse.Namespace, spec: DataSpec) -> str | None:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ready = {"action": "store_true", "help": "the data ready before each fit (the transport alone): the Ray Data "
              "pipeline materialized in the driver, the DataLoader's rows computed in each rank's setup"}  # fmt: skip
-    return run.parse(argv, __doc__, "data", CONTENDERS, DataSpec, _SIZES, options=[("--ready", ready)], check=_check)
+    return options.parse(
+        argv, __doc__, "data", CONTENDERS, DataSpec, _SIZES, options=[("--ready", ready)], check=_check
+    )
 
 
 def calibrate(spec: DataSpec, threads: int) -> dict[str, float]:

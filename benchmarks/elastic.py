@@ -57,7 +57,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks import run
+from benchmarks import options, run
 from benchmarks.elastic_driver import CONTENDERS, Contender, ElasticSpec, SpotPaths
 from benchmarks.elastic_report import build, markdown, targets
 from benchmarks.tune_workload import append_record, read_records
@@ -79,7 +79,7 @@ CLUSTER_ENVIRONMENT = {"RAY_TRAIN_V2_ENABLED": "1"}
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     repeats = (2, "rounds: fresh cluster and driver per measurement (2)")
-    return run.parse(argv, __doc__, "elastic", CONTENDERS, ElasticSpec, _SIZES, repeats, _FRACTIONS, check=_check)
+    return options.parse(argv, __doc__, "elastic", CONTENDERS, ElasticSpec, _SIZES, repeats, _FRACTIONS, check=_check)
 
 
 def _check(args: argparse.Namespace, spec: ElasticSpec) -> str | None:

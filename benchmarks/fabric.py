@@ -17,7 +17,7 @@ import argparse
 from functools import partial
 from typing import Any
 
-from benchmarks import run
+from benchmarks import options, run
 from benchmarks.fabric_measure import BASELINE, CONTENDERS, LAUNCHES
 from benchmarks.fabric_workload import FabricSpec
 from benchmarks.report import (
@@ -43,7 +43,7 @@ _SIZES = {
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    return run.parse(argv, __doc__, "fabric", CONTENDERS, FabricSpec, _SIZES)
+    return options.parse(argv, __doc__, "fabric", CONTENDERS, FabricSpec, _SIZES)
 
 
 def other_load(result: dict[str, Any], load: Any) -> None:

@@ -20,7 +20,7 @@ import statistics
 from functools import partial
 from typing import Any
 
-from benchmarks import run
+from benchmarks import options, run
 from benchmarks.recovery_driver import CASES, Case, RecoverySpec
 from benchmarks.report import Metric, cell, failure_lines, summarize
 
@@ -38,7 +38,7 @@ _SIZES = {
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     repeats = (3, "fresh driver processes per case (default 3)")
-    return run.parse(argv, __doc__, "recovery", CASES, RecoverySpec, _SIZES, repeats, check=lambda _, s: _check(s))
+    return options.parse(argv, __doc__, "recovery", CASES, RecoverySpec, _SIZES, repeats, check=lambda _, s: _check(s))
 
 
 def _check(spec: RecoverySpec) -> str | None:

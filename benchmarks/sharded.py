@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import run
+from benchmarks import options, run
 from benchmarks.report import Metric, add_ratios, cell, failure_lines, per_contender, summaries
 from benchmarks.sharded_workload import BARE, BASELINE, CONTENDERS, OURS, STEP_REFERENCE, ShardedSpec
 
@@ -47,7 +47,7 @@ def _spec(args: argparse.Namespace, spec: ShardedSpec) -> None:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     device = {"choices": ("auto", "cpu", "gpu"), "default": "auto",
               "help": "auto (default): GPUs where there is one per worker, else CPUs"}  # fmt: skip
-    return run.parse(argv, __doc__, "sharded", CONTENDERS, ShardedSpec, _SIZES, options=[("--device", device)],
+    return options.parse(argv, __doc__, "sharded", CONTENDERS, ShardedSpec, _SIZES, options=[("--device", device)],
                      check=_spec)  # fmt: skip
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import run
+from benchmarks import options, run
 from benchmarks.contenders import BASELINE, CONTENDERS, GPU_BASELINE, GPU_CONTENDERS
 from benchmarks.report import Metric, add_ratios, metric_rows, per_contender, summaries
 from benchmarks.step_measure import GPU_STEP_CONTENDERS, STEP_CONTENDERS, StepSpec
@@ -58,20 +58,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="fresh driver processes per contender (default 5)")
     parser.add_argument("--workers", type=int, default=None, help="training processes per fit (2; 1 on GPUs)")
-    run.add_sizes(parser, _SIZES)
+    options.add_sizes(parser, _SIZES)
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                         help="cpu (default): RayStrategy against ddp_spawn; gpu: one GPU per worker, RayStrategy "
                         "against Lightning's own Trainer on the GPU")  # fmt: skip
-    run.add_run_options(parser, STEP_CONTENDERS, "step-<start time>")
+    options.add_run_options(parser, STEP_CONTENDERS, "step-<start time>")
     # The default contenders depend on --device.
     parser.set_defaults(contenders="")
     args = parser.parse_args(argv)
     gpu = args.device == "gpu"
     names = GPU_STEP_CONTENDERS if gpu else STEP_CONTENDERS
     args.contenders = args.contenders or ",".join(names)
-    run.check_contenders(parser, args, names)
+    options.check_contenders(parser, args, names)
     spec = StepSpec.on_gpu(args.tiny) if gpu else StepSpec.tiny() if args.tiny else StepSpec()
-    args.spec = run.sizes_of(args, spec, _SIZES)
+    args.spec = options.sizes_of(args, spec, _SIZES)
     args.spec.workers = args.workers or args.spec.workers
     if gpu and torch.cuda.device_count() < args.spec.workers:
         # Before the Ray cluster starts: there is nothing to measure.

@@ -37,7 +37,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks import run
+from benchmarks import options, run
 from benchmarks.storage_driver import CASES, FIRST_DRIVER, RAY_TRAIN_RUNS, RUNS, StorageSpec
 from benchmarks.storage_report import build, goals, markdown
 
@@ -66,7 +66,7 @@ def _check(args: argparse.Namespace, spec: StorageSpec) -> str | None:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     repeats = (3, "fresh driver processes per case (default 3)")
-    return run.parse(argv, __doc__, "storage", CASES, StorageSpec, _SIZES, repeats, check=_check)
+    return options.parse(argv, __doc__, "storage", CASES, StorageSpec, _SIZES, repeats, check=_check)
 
 
 # -- The S3 server ---------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import argparse
 from functools import partial
 from typing import Any
 
-from benchmarks import run
+from benchmarks import options, run
 from benchmarks.fabric import other_load
 from benchmarks.report import (
     Metric,
@@ -49,7 +49,7 @@ def _check(args: argparse.Namespace, spec: TuneSpec) -> str | None:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     repeats = (2, "fresh driver processes (searches) per contender (2)")
-    return run.parse(argv, __doc__, "tune", CONTENDERS, TuneSpec, _SIZES, repeats, check=_check)
+    return options.parse(argv, __doc__, "tune", CONTENDERS, TuneSpec, _SIZES, repeats, check=_check)
 
 
 # -- The tables: The Tune benchmark's tables: every metric's samples, median and spread, ratios ray_lightning / Ray
