@@ -27,7 +27,7 @@ from benchmarks.data_cpu import CPU_GROUPS
 from benchmarks.data_driver import BASELINE, CONTENDERS, TinyConvNet
 from benchmarks.data_restart import FRACTIONS
 from benchmarks.data_rows import DataSpec, preprocess_row
-from benchmarks.report import Metric, cell, failure_lines, summarize
+from benchmarks.report import Metric, cell, failure_lines, metric_rows, summarize
 
 _SIZES = {
     "workers": "training processes per fit (default 2)",
@@ -282,12 +282,8 @@ def _main_lines(table: dict[str, Any]) -> list[str]:
         "`on_train_batch_end` (forward, backward with DDP's all-reduce, SGD). fit: the driver's `fit()` call, "
         "Ray already initialized.",
         "",
-        "| contender | " + " | ".join(m.title for m in METRICS) + " |",
-        "| --- |" + " ---: |" * len(METRICS),
+        *metric_rows(_throughput(table), METRICS, "ratio", named=True),
     ]
-    for name, entry in _throughput(table).items():
-        cells = [cell(entry["metrics"][m.key], m.fmt, "ratio") for m in METRICS]
-        lines.append(f"| `{name}`: {entry['label']} | " + " | ".join(cells) + " |")
     notes = [f"- `{name}`: {entry['note']}." for name, entry in _throughput(table).items() if entry["note"]]
     return lines + (["", *notes] if notes else [])
 
@@ -307,12 +303,8 @@ def _restart_lines(table: dict[str, Any]) -> list[str]:
         "`fit(ckpt_path=...)`: a new coordinator, the pipeline runs again up to the checkpoint, trained blocks "
         "dropped unread). Medians (min–max).",
         "",
-        "| contender | " + " | ".join(m.title for m in RESTART_METRICS) + " |",
-        "| --- |" + " ---: |" * len(RESTART_METRICS),
+        *metric_rows(found, RESTART_METRICS, "", named=True),
     ]
-    for name, entry in found.items():
-        cells = [cell(entry["metrics"][m.key], m.fmt, "") for m in RESTART_METRICS]
-        lines.append(f"| `{name}`: {entry['label']} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -290,11 +290,7 @@ def _other_load(result: dict[str, Any], load: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-
-    def judge(results: list, errors: list) -> dict[str, Any]:
-        table = build(results, args.contenders.split(","), args.spec)
-        return {"table": table, "targets": targets(table)}
-
+    judge = run.tables(args, build, targets, with_spec=True)
     measure = partial(_measure_all, args, args.spec)
     return run.benchmark(args, argv, "elastic", measure, judge, markdown, CLUSTER_ENVIRONMENT,
                          _other_load)  # fmt: skip

@@ -26,8 +26,8 @@ from benchmarks.report import (
     cell,
     failure_lines,
     metric_rows,
-    number,
     per_contender,
+    ratio_target_lines,
     ratio_targets,
     scaled,
     summaries,
@@ -145,25 +145,13 @@ def markdown(document: dict[str, Any]) -> str:
             for m in BREAKDOWN
         ]
         lines.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
-    if document["targets"]:
-        lines += ["", "| goal (reported, not asserted) | contender | value | against | ratio | status |",
-                  "| --- | --- | ---: | ---: | ---: | --- |"]  # fmt: skip
-        for row in document["targets"]:
-            value, against, ratio = (number(row[k], fmt) for k, fmt in (("value", ".3g"), ("reference", ".3g"),
-                                                                          ("ratio", ".3f")))  # fmt: skip
-            label = CONTENDERS[row["contender"]].label
-            status = row["status"]
-            lines.append(f"| {row['target']} | {label} | {value} | {against} ({BASELINE}) | {ratio} | {status} |")
+    lines += ratio_target_lines(document["targets"], CONTENDERS, "against", f" ({BASELINE})")
     return "\n".join(lines + failure_lines(document)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-
-    def judge(results: list, errors: list) -> dict[str, Any]:
-        table = build(results, args.contenders.split(","))
-        return {"table": table, "targets": targets(table)}
-
+    judge = run.tables(args, build, targets)
     measure = partial(run._measure_all, args, args.spec, entry="benchmarks.fabric_measure")
     return run.benchmark(args, argv, "fabric", measure, judge, markdown, other_load=other_load)
 

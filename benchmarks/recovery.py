@@ -283,11 +283,7 @@ def markdown(document: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-
-    def judge(results: list, errors: list) -> dict[str, Any]:
-        table = build(results, args.contenders.split(","), args.spec)
-        return {"table": table, "targets": targets(table)}
-
+    judge = run.tables(args, build, targets, with_spec=True)
     measure = partial(run._measure_all, args, args.spec, entry="benchmarks.recovery_driver")
     return run.benchmark(args, argv, "recovery", measure, judge, markdown)
 

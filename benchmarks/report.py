@@ -85,12 +85,39 @@ def ratio_targets(
     return rows
 
 
-def metric_rows(table: dict[str, Any], metrics: tuple[Metric, ...], ratio_key: str | None) -> list[str]:
-    """A markdown table: a row per contender, a :func:`cell` per metric."""
-    lines = ["| contender | " + " | ".join(m.title for m in metrics) + " |", "| --- |" + " ---: |" * len(metrics)]
-    for entry in table.values():
-        cells = [cell(entry["metrics"][m.key], m.fmt, ratio_key) for m in metrics]
-        lines.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
+def ratio_target_lines(
+    rows: list[dict[str, Any]], contenders: dict[str, Any], against: str, suffix: str = ""
+) -> list[str]:
+    """The goals of :func:`ratio_targets` as markdown (none: no lines): value, the reference (column ``against``,
+    ``suffix`` after each value), the ratio and the status, a row per goal and contender."""
+    if not rows:
+        return []
+    lines = ["", f"| goal (reported, not asserted) | contender | value | {against} | ratio | status |",
+             "| --- | --- | ---: | ---: | ---: | --- |"]  # fmt: skip
+    for row in rows:
+        value, reference, ratio = (number(row[k], f) for k, f in (("value", ".3g"), ("reference", ".3g"),
+                                                                    ("ratio", ".3f")))  # fmt: skip
+        label = contenders[row["contender"]].label
+        lines.append(f"| {row['target']} | {label} | {value} | {reference}{suffix} | {ratio} | {row['status']} |")
+    return lines
+
+
+def metric_rows(
+    table: dict[str, Any],
+    metrics: tuple[Metric, ...],
+    ratio_key: str | None,
+    first: str = "contender",
+    named: bool = False,
+    write: Callable[[str, Metric, dict[str, Any] | None], str] | None = None,
+) -> list[str]:
+    """A markdown table: a row per entry of ``table`` (its label; ``named``: `` `name`: label``), a :func:`cell` per
+    metric (or ``write(name, metric, summary)``); ``first``: the title of the first column."""
+    lines = [f"| {first} | " + " | ".join(m.title for m in metrics) + " |", "| --- |" + " ---: |" * len(metrics)]
+    for name, entry in table.items():
+        summaries = [(m, entry["metrics"][m.key]) for m in metrics]
+        cells = [write(name, m, s) if write else cell(s, m.fmt, ratio_key) for m, s in summaries]
+        label = f"`{name}`: {entry['label']}" if named else entry["label"]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -118,7 +145,8 @@ def build(results: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
     return add_ratios(per_contender(results, order, entry), BASELINE)
 
 
-def _median(table: dict[str, Any], name: str, key: str) -> float | None:
+def median(table: dict[str, Any], name: str, key: str) -> float | None:
+    """The median of ``name``'s ``key`` in a table (None: no such run or no sample)."""
     summary = table.get(name, {}).get("metrics", {}).get(key)
     return summary["median"] if summary else None
 
@@ -139,8 +167,8 @@ def targets(table: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for what, other, key, check in _TARGETS:
         for name in (n for n in OURS if n in table):
-            ours = _median(table, name, key)
-            theirs = _median(table, other, key) if other else 0.0
+            ours = median(table, name, key)
+            theirs = median(table, other, key) if other else 0.0
             status = "unknown" if ours is None or theirs is None else ("met" if check(ours, theirs) else "missed")
             rows.append({"target": what, "contender": name, "metric": key, "value": ours, "reference": theirs,
                          "reference_contender": other, "status": status})  # fmt: skip

@@ -290,13 +290,8 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-
-    def judge(results: list, errors: list) -> dict[str, Any]:
-        table = report.build(results, args.contenders.split(","))
-        return {"table": table, "targets": report.targets(table)}
-
     measure = partial(_measure_all, args, args.spec)
-    return benchmark(args, argv, "run", measure, judge, report.markdown)
+    return benchmark(args, argv, "run", measure, tables(args, report.build, report.targets), report.markdown)
 
 
 def output_dirs(args: argparse.Namespace, prefix: str) -> tuple[str, Path, Path]:
@@ -365,6 +360,23 @@ def benchmark(
         document["load"] = samples
     document.update(judge(results, errors), errors=errors, measurements=results)
     return publish(document, markdown(document), out, logs)
+
+
+def tables(
+    args: argparse.Namespace,
+    build: Callable[..., dict[str, Any]],
+    judge: Callable[[dict[str, Any]], list],
+    key: str = "targets",
+    with_spec: bool = False,
+) -> Callable[[list, list], dict[str, Any]]:
+    """The ``judge`` of :func:`benchmark` for a benchmark with one table: ``build(results, the contenders)`` (and
+    ``args.spec``, ``with_spec``) under ``table``, its goals ``judge(table)`` under ``key``."""
+
+    def judged(results: list, errors: list) -> dict[str, Any]:
+        table = build(results, args.contenders.split(","), *((args.spec,) if with_spec else ()))
+        return {"table": table, key: judge(table)}
+
+    return judged
 
 
 def entry(main: Callable[[], int]) -> None:

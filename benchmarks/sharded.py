@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from benchmarks import options, run
-from benchmarks.report import Metric, add_ratios, cell, failure_lines, per_contender, summaries
+from benchmarks.report import Metric, add_ratios, cell, failure_lines, median, metric_rows, per_contender, summaries
 from benchmarks.sharded_workload import BARE, BASELINE, CONTENDERS, OURS, STEP_REFERENCE, ShardedSpec
 
 _SIZES = {
@@ -91,16 +91,11 @@ def build(results: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
     return add_ratios(table, BASELINE, "ratio", skip=("model_mb",), rows=set(table) - {BARE})
 
 
-def _median(table: dict[str, Any], name: str, key: str) -> float | None:
-    summary = table.get(name, {}).get("metrics", {}).get(key)
-    return summary["median"] if summary else None
-
-
 def _bounds(table: dict[str, Any], name: str) -> list[tuple[str, str, float | None, float | None, bool]]:
     """(goal, metric, value, bound, whether a larger value is better) for ray_lightning's contender ``name``."""
-    step, speed, peak = (_median(table, name, k) for k in ("step_ms", "weights_speed_vs_copy", "peak_rss_mb"))
-    reference = _median(table, STEP_REFERENCE.get(name, BASELINE), "step_ms")
-    model, bare = _median(table, name, "model_mb"), _median(table, BARE, "peak_rss_mb")
+    step, speed, peak = (median(table, name, k) for k in ("step_ms", "weights_speed_vs_copy", "peak_rss_mb"))
+    reference = median(table, STEP_REFERENCE.get(name, BASELINE), "step_ms")
+    model, bare = median(table, name, "model_mb"), median(table, BARE, "peak_rss_mb")
     return [
         ("steady-state step within 3% of Lightning's own", "step_ms", step,
          None if reference is None else STEP_SLACK * reference, False),
@@ -156,12 +151,12 @@ def _goal_lines(rows: list[dict[str, Any]]) -> list[str]:
 def markdown(document: dict[str, Any]) -> str:
     """The tables as markdown, to print and to paste into benchmarks/README.md."""
     table = document["table"]
-    lines = [*_header(document), "", "| contender | " + " | ".join(m.title for m in METRICS) + " |"]
-    lines.append("| --- |" + " ---: |" * len(METRICS))
-    for name, entry in table.items():
-        shown = [m for m in METRICS if name != BARE or m.key in _BARE_METRICS]
-        cells = [cell(entry["metrics"][m.key], m.fmt, "ratio") if m in shown else "—" for m in METRICS]
-        lines.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
+
+    def write(name: str, metric: Metric, summary: dict[str, Any] | None) -> str:
+        shown = name != BARE or metric.key in _BARE_METRICS
+        return cell(summary, metric.fmt, "ratio") if shown else "—"
+
+    lines = [*_header(document), "", *metric_rows(table, METRICS, "ratio", write=write)]
     lines += ["", *(f"- {entry['label']}: {entry['note']}." for entry in table.values())]
     lines += [f"- {CONTENDERS[name].label}: not run: {why}." for name, why in document["skipped"].items()]
     lines += ["", *_goal_lines(document["goals"])]

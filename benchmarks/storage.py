@@ -252,11 +252,7 @@ def _measure_all(args: argparse.Namespace, spec: StorageSpec, env: dict[str, str
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-
-    def judge(results: list, errors: list) -> dict[str, Any]:
-        table = build(results, args.contenders.split(","), args.spec)
-        return {"table": table, "goals": goals(table)}
-
+    judge = run.tables(args, build, goals, "goals", with_spec=True)
     measure = partial(_measure_all, args, args.spec)
     return run.benchmark(args, argv, "storage", measure, judge, markdown)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.report import Metric, cell, failure_lines, summarize
+from benchmarks.report import Metric, cell, failure_lines, median, metric_rows, summarize
 from benchmarks.storage_driver import CASES, Case, StorageSpec
 
 MEMORY_METRICS = (
@@ -102,14 +102,14 @@ def build(results: list[dict[str, Any]], order: list[str], spec: StorageSpec) ->
             # without checkpoints (percent).
             _ratio(entry, table.get(case.against or ""), "blocked_s", "blocked_s")
             for key in ("step_ms", "mean_step_ms"):
-                base = _median(table, step_reference(case), key)
+                base = median(table, step_reference(case), key)
                 summary = entry["metrics"][key]
                 if summary is not None and base and name != step_reference(case):
                     summary["percent"] = (summary["median"] / base - 1) * 100
     return table
 
 
-def _reference_median(results: list[dict[str, Any]], name: str, key: str) -> float | None:
+def _referencemedian(results: list[dict[str, Any]], name: str, key: str) -> float | None:
     values = [r["metrics"][key] for r in results if r["contender"] == name and r["metrics"].get(key) is not None]
     return statistics.median(values) if values else None
 
@@ -121,11 +121,11 @@ def _add_derived(runs: list[dict[str, Any]], case: Case, results: list[dict[str,
         if case.part == "memory":
             for rank in (0, 1):
                 key = f"rank{rank}_peak_rss_mb"
-                base = _reference_median(results, MEMORY_BASELINE, key)
+                base = _referencemedian(results, MEMORY_BASELINE, key)
                 ok = base is not None and metrics.get(key) is not None and case.name != MEMORY_BASELINE
                 metrics[f"rank{rank}_added_mb"] = metrics[key] - base if ok else None
         elif case.part == "cost":
-            base = _reference_median(results, step_reference(case), "mean_step_ms")
+            base = _referencemedian(results, step_reference(case), "mean_step_ms")
             ok = base is not None and case.checkpoints
             added = (metrics["mean_step_ms"] - base) * spec.cost_steps / 1000 if ok else None
             metrics["added_per_checkpoint_s"] = added
@@ -136,11 +136,6 @@ def _ratio(entry: dict[str, Any], reference: dict[str, Any] | None, key: str, re
     theirs = reference["metrics"].get(reference_key) if reference else None
     if ours is not None and theirs is not None and theirs["median"] and reference is not entry:
         ours["ratio"] = ours["median"] / theirs["median"]
-
-
-def _median(table: dict[str, Any], name: str, key: str) -> float | None:
-    summary = table.get(name, {}).get("metrics", {}).get(key)
-    return summary["median"] if summary else None
 
 
 def _judged(goal: str, name: str, value: float | None, bound: float, note: str = "") -> dict[str, Any]:
@@ -156,8 +151,8 @@ def goals(table: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(_judged("driver peak RSS within 5% of the run without restarts", name,
                             driver.get("ratio") if driver else None, DRIVER_SLACK))  # fmt: skip
         rows.append(_judged("rank 0's peak RSS within 10% of rank 1's", name,
-                            _median(table, name, "rank0_over_rank1"), RANK_SLACK))  # fmt: skip
-        added0, added1 = _median(table, name, "rank0_added_mb"), _median(table, name, "rank1_added_mb")
+                            median(table, name, "rank0_over_rank1"), RANK_SLACK))  # fmt: skip
+        added0, added1 = median(table, name, "rank0_added_mb"), median(table, name, "rank1_added_mb")
         rows.append(_judged("what checkpoints add to rank 0's peak RSS within 10% of rank 1's", name,
                             added0 / added1 if added0 is not None and added1 and added1 > 0 else None,
                             RANK_SLACK))  # fmt: skip
@@ -165,8 +160,8 @@ def goals(table: dict[str, Any]) -> list[dict[str, Any]]:
         blocked = table[name]["metrics"]["blocked_s"]
         rows.append(_judged("blocked time under 10% of a synchronous save", name,
                             blocked.get("ratio") if blocked else None, ASYNC_SHARE_OF_SYNC))  # fmt: skip
-        share, step_ms = _median(table, name, "blocked_share_pct"), _median(table, name, "step_ms")
-        per_checkpoint = _median(table, name, "blocked_s")
+        share, step_ms = median(table, name, "blocked_share_pct"), median(table, name, "step_ms")
+        per_checkpoint = median(table, name, "blocked_s")
         note = ""
         if per_checkpoint is not None and step_ms:
             # The epoch length at which this checkpoint's blocked time is 2% of the step time.
@@ -226,11 +221,7 @@ def _part_lines(document: dict[str, Any], part: str) -> list[str]:
         return []
     metrics = METRICS[part]
     lines = ["", _PART_INTRO[part].format(**document["spec"]), ""]
-    lines += ["| case | " + " | ".join(m.title for m in metrics) + " |", "| --- |" + " ---: |" * len(metrics)]
-    for name, entry in table.items():
-        cells = [_cell(entry["metrics"][m.key], m.fmt) for m in metrics]
-        lines.append(f"| `{name}`: {entry['label']} | " + " | ".join(cells) + " |")
-    return lines
+    return lines + metric_rows(table, metrics, "ratio", "case", named=True, write=lambda _, m, s: _cell(s, m.fmt))
 
 
 def _ray_train_lines(table: dict[str, Any]) -> list[str]:
@@ -243,7 +234,7 @@ def _ray_train_lines(table: dict[str, Any]) -> list[str]:
         "| --- | ---: | ---: | ---: |",
     ]
     for ours, theirs in pairs:
-        a, b = _median(table, ours, "blocked_s"), _median(table, theirs, "blocked_s")
+        a, b = median(table, ours, "blocked_s"), median(table, theirs, "blocked_s")
         ratio = f"×{a / b:.2f}" if a is not None and b else "n/a"
         lines.append(f"| {'synchronous' if 'sync' in ours and 'async' not in ours else 'in the background'} | "
                      f"{_number(a)} | {_number(b)} | {ratio} |")  # fmt: skip

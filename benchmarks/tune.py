@@ -24,8 +24,8 @@ from benchmarks.report import (
     add_ratios,
     failure_lines,
     metric_rows,
-    number,
     per_contender,
+    ratio_target_lines,
     ratio_targets,
     summaries,
 )
@@ -133,14 +133,7 @@ def markdown(document: dict[str, Any]) -> str:
               "trial was paused); resumed = rank 0's first batch came after step 0 (training went on from a "
               "checkpoint).", ""]  # fmt: skip
     lines += metric_rows(table, STARTS, None)
-    if document["targets"]:
-        lines += ["", "| goal (reported, not asserted) | contender | value | Ray Train | ratio | status |",
-                  "| --- | --- | ---: | ---: | ---: | --- |"]  # fmt: skip
-        for row in document["targets"]:
-            value, against, ratio = (number(row[k], f) for k, f in (("value", ".3g"), ("reference", ".3g"),
-                                                                      ("ratio", ".3f")))  # fmt: skip
-            label = CONTENDERS[row["contender"]].label
-            lines.append(f"| {row['target']} | {label} | {value} | {against} | {ratio} | {row['status']} |")
+    lines += ratio_target_lines(document["targets"], CONTENDERS, "Ray Train")
     notes = [f"- {e['label']}: PBT logged `{e['skipped_log']}`" for e in table.values() if e["skipped_log"]]
     notes += [f"- {e['label']}: a trial failed: `{err.splitlines()[0]}`" for e in table.values()
               for err in e["trial_errors"]]  # fmt: skip
@@ -151,11 +144,7 @@ def markdown(document: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-
-    def judge(results: list, errors: list) -> dict[str, Any]:
-        table = build(results, args.contenders.split(","))
-        return {"table": table, "targets": targets(table)}
-
+    judge = run.tables(args, build, targets)
     measure = partial(run._measure_all, args, args.spec, entry="benchmarks.tune_measure")
     return run.benchmark(args, argv, "tune", measure, judge, markdown, other_load=other_load)
 
