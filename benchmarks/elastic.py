@@ -57,7 +57,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks import options, run
+from benchmarks import drivers, options, run
 from benchmarks.elastic_driver import CONTENDERS, Contender, ElasticSpec, SpotPaths
 from benchmarks.elastic_report import build, markdown, targets
 from benchmarks.tune_workload import append_record, read_records
@@ -223,8 +223,8 @@ def _measure_one(
 
     def drive() -> None:
         try:
-            outcome["result"] = run.measure_once(contender.name, spec_path, result_path, log_path, env, args.timeout,
-                                                 "benchmarks.elastic_driver")  # fmt: skip
+            outcome["result"] = drivers.measure_once(contender.name, spec_path, result_path, log_path, env,
+                                                     args.timeout, "benchmarks.elastic_driver")  # fmt: skip
         except RuntimeError as error:
             outcome["error"] = error
 

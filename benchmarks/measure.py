@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
 # --warm``, at the first measurement: after the Ray cluster started, with the environment a driver gets, as Ray
 # reads its authentication token at import) and forks each driver from it: still a fresh process per measurement
 # (its own pid, session and log; Ray not initialized in it), running ``python -m <entry>``'s code as ``__main__``.
-# The real runs start every driver with ``python -m <entry>`` (:func:`benchmarks.run.measure_once`).
+# The real runs start every driver with ``python -m <entry>`` (:func:`benchmarks.drivers.measure_once`).
 _PRELOAD = ("lightning.pytorch", "ray", "ray_lightning", "ray.train.torch", "ray.train.lightning")
 
 

@@ -31,11 +31,10 @@ from typing import Any
 
 from benchmarks import plots, report
 from benchmarks.contenders import CONTENDERS
+from benchmarks.drivers import ROOT, _measure_or_again, measure_once
 from benchmarks.options import add_run_options, add_sizes, parse_run_options, sized, sizes_of
 from benchmarks.workload import Spec
 
-ROOT = Path(__file__).resolve().parents[1]
-_LOG_TAIL = 4000
 _SIZES = {
     "steps": "optimizer steps per fit (60)",
     "warmup": "steps left out of the step time (10)",
@@ -136,84 +135,6 @@ def gpu_names() -> list[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line.strip() for line in listed.stdout.splitlines() if line.strip()] if listed.returncode == 0 else []
-
-
-def measure_once(
-    name: str,
-    spec_path: str,
-    result_path: str,
-    log_path: str,
-    env: dict[str, str],
-    timeout: float,
-    entry: str = "benchmarks.measure",
-):
-    """One contender in a fresh driver process (``python -m entry``; with tiny sizes forked from a warm process,
-    :class:`benchmarks.measure.WarmDriver`); returns its measurement or raises with the end of its log."""
-    from benchmarks.measure import WarmDriver
-
-    if WarmDriver.wanted(spec_path):
-        args = ["--contender", name, "--spec", spec_path, "--result", result_path]
-        warm = WarmDriver.of({**os.environ, **env}, str(ROOT))
-        returncode = warm.run(entry, args, log_path, {**os.environ, **env}, timeout)
-        return _measurement(name, result_path, log_path, returncode, timeout)
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", entry, "--contender", name, "--spec", spec_path,
-             "--result", result_path],
-            cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-            # Its own process group: ddp's and ddp_spawn's ranks go with it, whatever happens.
-            start_new_session=True,
-        )  # fmt: skip
-        try:
-            returncode = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            returncode = None
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    return _measurement(name, result_path, log_path, returncode, timeout)
-
-
-def _measurement(name: str, result_path: str, log_path: str, returncode: int | None, timeout: float) -> Any:
-    if returncode == 0 and os.path.isfile(result_path):
-        with open(result_path) as f:
-            return json.load(f)
-    with open(log_path, errors="replace") as f:
-        tail = f.read()[-_LOG_TAIL:]
-    what = f"did not finish within {timeout:g} s" if returncode is None else f"exited with {returncode}"
-    crashed = returncode is not None and (returncode < 0 or _CHILD_KILLED in tail)
-    raise (MeasurementCrashed if crashed else RuntimeError)(
-        f"the {name} driver process {what}; end of {log_path}:\n{tail}"
-    )
-
-
-# What torch's spawn raises in the driver when one of its processes died of a signal (ddp_spawn's ranks).
-_CHILD_KILLED = "terminated with signal"
-
-
-class MeasurementCrashed(RuntimeError):
-    """A driver process, or a rank it spawned, was killed by a signal (SIGABRT, SIGSEGV): a crash, not an error of
-    the measured code's Python."""
-
-
-def _measure_or_again(contender: str, repeat: int, scratch: str, logs: Path, run: Callable[[str, str], Any]) -> Any:
-    """``run(result_path, log_path)``; once more after a crash, the first crash kept in the result.
-
-    Why once: Lightning's ddp_spawn baseline has aborted in gloo's teardown ("terminate called without an active
-    exception", SIGABRT) in one of many CI runs; one such crash should cost a run its baseline no more than it
-    would a user, who runs again. A contender that crashes twice, or fails otherwise, is a failed measurement."""
-    result_path = os.path.join(scratch, f"{contender}-{repeat}.json")
-    try:
-        return run(result_path, str(logs / f"{contender}-{repeat}.log"))
-    except MeasurementCrashed as crash:
-        print(
-            f"{crash}\nmeasuring {contender}, repeat {repeat + 1} again after that crash", file=sys.stderr, flush=True
-        )
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(result_path)
-        result = run(result_path, str(logs / f"{contender}-{repeat}-again.log"))
-        return {**result, "crashed_before": str(crash)}
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks import options, run
+from benchmarks import drivers, options, run
 from benchmarks.storage_driver import CASES, FIRST_DRIVER, RAY_TRAIN_RUNS, RUNS, StorageSpec
 from benchmarks.storage_report import build, goals, markdown
 
@@ -89,29 +89,16 @@ def s3_server(log_path: Path, timeout_s: float = 60) -> Iterator[tuple[str, int]
     Its own process: the uploads it serves take its CPU and its GIL, not this harness's (which polls the bucket).
     """
     port = run._free_port()
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-c", "from moto.server import main; main()", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the S3 server did not start; end of {log_path}:\n{_tail(log_path)}")
-                time.sleep(0.2)
-            yield f"http://127.0.0.1:{port}", server.pid
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-
-
-def _tail(path: Path | str, size: int = 4000) -> str:
-    with open(path, errors="replace") as f:
-        return f.read()[-size:]
+    command = [sys.executable, "-c", "from moto.server import main; main()", "-H", "127.0.0.1", "-p", str(port)]
+    with open(log_path, "w") as log, drivers.process_group(command, log) as server:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the S3 server did not start; end of {log_path}:\n{drivers.log_tail(log_path)}")
+            time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}", server.pid
 
 
 class Bucket:
@@ -180,7 +167,7 @@ class Harness:
             killed = self._killed_first_driver(label, spec_path, run_name) if case == "resume" else None
             server_cpu = self._server_cpu_s()
             started = time.time()
-            result = run.measure_once(case, spec_path, result_path, str(self.logs / f"{label}.log"), self.env,
+            result = drivers.measure_once(case, spec_path, result_path, str(self.logs / f"{label}.log"), self.env,
                                       self.args.timeout, _ENTRY)  # fmt: skip
             ended = time.time()
             server_cpu = self._server_cpu_s() - server_cpu
@@ -208,23 +195,13 @@ class Harness:
         result_path = os.path.join(self.scratch, f"{label}-first.json")
         with open(log_path, "w") as log:
             started = time.time()
-            process = subprocess.Popen(
-                [sys.executable, "-m", _ENTRY, "--contender", FIRST_DRIVER.name, "--spec", spec_path,
-                 "--result", result_path],
-                cwd=run.ROOT, env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-            try:
+            with drivers.driver_process(_ENTRY, FIRST_DRIVER.name, spec_path, result_path, log, self.env) as process:
                 markers = self._wait_for_marker(process, run_name, started + self.args.timeout)
                 killed_at = time.time()
-            finally:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
         if not markers:
             ended = "ended" if process.returncode not in (None, -signal.SIGKILL) else "was killed"
             raise RuntimeError(f"the first driver of {run_name} {ended} before a recovery checkpoint was complete in "
-                               f"the bucket; end of {log_path}:\n{_tail(log_path)}")  # fmt: skip
+                               f"the bucket; end of {log_path}:\n{drivers.log_tail(log_path)}")  # fmt: skip
         header = json.loads(self.bucket.fs.cat_file(markers[0]))
         return {"started_at": started, "killed_at": killed_at, "marker": header,
                 "marker_to_kill_s": killed_at - header["written_at"]}  # fmt: skip

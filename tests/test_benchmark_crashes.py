@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
+from benchmarks.drivers import MeasurementCrashed, _measure_or_again, measure_once
 from benchmarks.report import failure_lines
-from benchmarks.run import MeasurementCrashed, _measure_or_again, measure_once
 
 # A driver as the harness starts one: it writes its result where --result says. It counts its starts in a file and,
 # for the first CRASHES of them, dies as a crashed process does (SIGABRT), or, with FAIL set, raises.
