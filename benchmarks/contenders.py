@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.workload import BenchModule, Spec, StepClock, WeightsModule, pl, trainer_kwargs
+from benchmarks.workload import BenchModule, Spec, StepClock, WeightsModule, pl, ray_train_trainer, trainer_kwargs
 
 FitFn = Callable[[Spec, BenchModule, str, int], Any]
 
@@ -91,19 +91,10 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
     """Ray Train's ``train_loop_per_worker``: the user's script rewritten around a function."""
     import ray.train
     from ray.train import Checkpoint
-    from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer
 
     spec = Spec.from_json(config["spec"])
     module = (WeightsModule if config["weights"] else BenchModule)(spec)
-    trainer = pl.Trainer(
-        **trainer_kwargs(spec, config["steps"]),
-        strategy=RayDDPStrategy(),
-        plugins=[RayLightningEnvironment()],
-        accelerator="cpu",
-        devices="auto",
-        callbacks=[StepClock(config["clock"])],
-    )
-    trainer = prepare_trainer(trainer)
+    trainer = ray_train_trainer(trainer_kwargs(spec, config["steps"]), [StepClock(config["clock"])])
     trainer.fit(module)
     if not config["weights"]:
         return

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks.measure import measurement_main
 from benchmarks.tune_workload import TuneModule, _dataset, append_record, read_records
-from benchmarks.workload import Spec, pl
+from benchmarks.workload import Spec, pl, ray_train_trainer
 
 
 @dataclass
@@ -254,20 +254,13 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
     ``ray.train.get_checkpoint()``; the per-worker batch keeps the global batch at every world size (by hand: Ray
     Train leaves the batch to the loop)."""
     import ray.train
-    from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback, prepare_trainer
+    from ray.train.lightning import RayTrainReportCallback
 
     spec, paths = ElasticSpec.from_json(config["spec"]), SpotPaths(**config["paths"])
     world_size = ray.train.get_context().get_world_size()
     module = ElasticModule(spec, batch_size=spec.global_batch // world_size)
-    trainer = pl.Trainer(
-        **trainer_kwargs(spec),
-        strategy=RayDDPStrategy(),
-        plugins=[RayLightningEnvironment()],
-        accelerator="cpu",
-        devices="auto",
-        callbacks=[SpotProgress(paths), RayTrainReportCallback()],  # a checkpoint reported at every epoch end
-    )
-    trainer = prepare_trainer(trainer)
+    # RayTrainReportCallback: a checkpoint reported at every epoch end.
+    trainer = ray_train_trainer(trainer_kwargs(spec), [SpotProgress(paths), RayTrainReportCallback()])
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         trainer.fit(module)

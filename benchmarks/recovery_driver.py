@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 
 from benchmarks.measure import _fit_metrics, measurement_main
-from benchmarks.workload import BenchModule, Spec, StepClock, pl, read_clock, trainer_kwargs
+from benchmarks.workload import BenchModule, Spec, StepClock, pl, ray_train_trainer, read_clock, trainer_kwargs
 
 
 @dataclass
@@ -241,22 +241,14 @@ def _ray_lightning_fit(spec: RecoverySpec, case: Case, paths: Paths) -> dict[str
 def _ray_train_loop(config: dict[str, Any]) -> None:
     """Ray Train's ``train_loop_per_worker``: resumes from ``ray.train.get_checkpoint()`` through ``ckpt_path``."""
     import ray.train
-    from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback, prepare_trainer
+    from ray.train.lightning import RayTrainReportCallback
 
     spec, paths = RecoverySpec.from_json(config["spec"]), Paths(**config["paths"])
     report = RayTrainReportCallback()  # saves and reports a checkpoint at every epoch end
     callbacks = [*_callbacks(spec, paths, kill=True), report]
     if config["every_n"]:
         callbacks.append(EveryNSteps(spec.every_n, report.on_train_epoch_end))
-    trainer = pl.Trainer(
-        **_trainer_arguments(spec, spec.epochs),
-        strategy=RayDDPStrategy(),
-        plugins=[RayLightningEnvironment()],
-        accelerator="cpu",
-        devices="auto",
-        callbacks=callbacks,
-    )
-    trainer = prepare_trainer(trainer)
+    trainer = ray_train_trainer(_trainer_arguments(spec, spec.epochs), callbacks)
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         trainer.fit(BenchModule(spec))

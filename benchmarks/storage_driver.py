@@ -26,7 +26,7 @@ from benchmarks.measure import _fit_metrics, _peak_rss_mb, measurement_main
 from benchmarks.sharded_measure import MemorySampler
 from benchmarks.sharded_workload import Block, ShardedModule, ShardedSpec
 from benchmarks.storage_probe import CheckpointProbe
-from benchmarks.workload import Spec, StepClock, pl, read_clock, trainer_kwargs
+from benchmarks.workload import Spec, StepClock, pl, ray_train_trainer, read_clock, trainer_kwargs
 
 # The folder of the bucket where ray_lightning's runs go, and Ray Train's.
 RUNS = "runs"
@@ -194,20 +194,12 @@ def ray_train_filesystem(endpoint: str) -> Any:
 def _ray_train_loop(config: dict[str, Any]) -> None:
     """Ray Train's ``train_loop_per_worker``: Ray Train's Lightning recipe, a checkpoint reported at every epoch end."""
     from ray.train import CheckpointUploadMode
-    from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback, prepare_trainer
+    from ray.train.lightning import RayTrainReportCallback
 
     spec, case = StorageSpec.from_json(config["spec"]), DRIVER_CASES[config["case"]]
     sizes, epochs = spec.shape(case.part)
     report = RayTrainReportCallback(checkpoint_upload_mode=CheckpointUploadMode[case.ray_train or "SYNC"])
-    trainer = pl.Trainer(
-        **_trainer_arguments(sizes, epochs),
-        strategy=RayDDPStrategy(),
-        plugins=[RayLightningEnvironment()],
-        accelerator="cpu",
-        devices="auto",
-        callbacks=[*_callbacks(spec, case, config["prefix"]), report],
-    )
-    trainer = prepare_trainer(trainer)
+    trainer = ray_train_trainer(_trainer_arguments(sizes, epochs), [*_callbacks(spec, case, config["prefix"]), report])
     trainer.fit(_module(sizes, case.part))
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from benchmarks.measure import measurement_main
 from benchmarks.tune_workload import TrialClock, TuneModule, TuneSpec, append_record, pl, read_records, trainer_kwargs
+from benchmarks.workload import ray_train_trainer
 
 
 def _trial_started(clock_path: str) -> str:
@@ -54,18 +55,12 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
     """Ray Train's ``train_loop_per_worker``, resuming from ``ray.train.get_checkpoint()`` as Ray's Lightning guide
     shows."""
     import ray.train
-    from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback, prepare_trainer
+    from ray.train.lightning import RayTrainReportCallback
 
     spec = TuneSpec.from_json(config["spec"])
-    trainer = pl.Trainer(
-        **trainer_kwargs(spec),
-        strategy=RayDDPStrategy(),
-        plugins=[RayLightningEnvironment()],
-        accelerator="cpu",
-        devices="auto",
-        callbacks=[RayTrainReportCallback(), TrialClock(config["clock"], config["token"])],
+    trainer = ray_train_trainer(
+        trainer_kwargs(spec), [RayTrainReportCallback(), TrialClock(config["clock"], config["token"])]
     )
-    trainer = prepare_trainer(trainer)
     module = TuneModule(spec, lr=config["lr"])
     checkpoint = ray.train.get_checkpoint()
     if checkpoint:

@@ -139,6 +139,16 @@ def trainer_kwargs(spec: Spec, steps: int) -> dict[str, Any]:
     )
 
 
+def ray_train_trainer(arguments: dict[str, Any], callbacks: list[Any]) -> Any:
+    """Inside Ray Train's ``train_loop_per_worker``: every Ray Train contender's Trainer (``RayDDPStrategy``,
+    ``RayLightningEnvironment``, on the CPU) with ``arguments`` and ``callbacks``, through ``prepare_trainer``."""
+    from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer
+
+    trainer = pl.Trainer(**arguments, strategy=RayDDPStrategy(), plugins=[RayLightningEnvironment()],
+                         accelerator="cpu", devices="auto", callbacks=callbacks)  # fmt: skip
+    return prepare_trainer(trainer)
+
+
 class StepClock(pl.Callback):
     """Records rank 0's wall-clock times during ``fit`` and writes them to ``path`` in ``on_fit_end``.
 
