@@ -27,7 +27,7 @@ from benchmarks.data_cpu import CPU_GROUPS
 from benchmarks.data_driver import BASELINE, CONTENDERS, TinyConvNet
 from benchmarks.data_restart import FRACTIONS
 from benchmarks.data_rows import DataSpec, preprocess_row
-from benchmarks.report import Metric, cell, failure_lines, metric_rows, summarize
+from benchmarks.report import Metric, cell, failure_lines, metric_rows, per_contender, summarize
 
 _SIZES = {
     "workers": "training processes per fit (default 2)",
@@ -126,18 +126,14 @@ JUDGED = ("ray_data", "ray_data_ordered")
 def build(results: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
     """Per contender and metric: samples, median, spread; the CPU per sample of each group of processes; ratios
     of medians against Ray Train's. The restart and resume contenders: their times (:data:`RESTART_METRICS`)."""
-    table: dict[str, dict[str, Any]] = {}
-    for name in order:
-        runs = [r for r in results if r["contender"] == name]
-        if not runs:
-            continue
+
+    def built(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         entry: dict[str, Any] = {"label": CONTENDERS[name].label, "note": CONTENDERS[name].note, "repeats": len(runs)}
         if name in FRACTIONS:
             entry["metrics"] = {m.key: summarize([r["metrics"].get(m.key) for r in runs]) for m in RESTART_METRICS}
-            table[name] = entry
-            continue
+            return entry
         cpus = [r["cpu"] for r in runs if r["cpu"]]
-        table[name] = {
+        return {
             **entry,
             "metrics": {m.key: summarize([r["metrics"].get(m.key) for r in runs]) for m in METRICS},
             "cpu_ms_per_sample": {g: summarize([c["cpu_ms_per_sample"][g] for c in cpus]) for g in CPU_GROUPS},
@@ -148,6 +144,8 @@ def build(results: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
             "coordinating_s_per_gb": summarize([c.get("coordinating_s_per_gb") for c in cpus]),
             "first_batch": runs[0]["first_batch"],
         }
+
+    table = per_contender(results, order, built)
     base = table.get(BASELINE)
     for name, entry in table.items():
         if name in FRACTIONS:

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from benchmarks.elastic_driver import CONTENDERS, ElasticSpec
-from benchmarks.report import Metric, cell, failure_lines, summarize
+from benchmarks.report import Metric, cell, failure_lines, per_contender, summarize
 
 REFERENCE = "uninterrupted"
 OURS = "elastic"
@@ -79,15 +79,12 @@ def build(results: list[dict[str, Any]], order: list[str], spec: ElasticSpec | d
     spec = spec if isinstance(spec, dict) else asdict(spec)
     reference = {r["repeat"]: r["acc"] for r in results if r["contender"] == REFERENCE}
     reference_median = statistics.median(reference.values()) if reference else None
-    table: dict[str, Any] = {}
-    for name in order:
-        runs = [r for r in results if r["contender"] == name]
-        if not runs:
-            continue
+
+    def entry(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         per_run = [metrics(r, spec, reference.get(r["repeat"], reference_median)) for r in runs]
         for measured, numbers in zip(runs, per_run):
             measured["metrics"] = numbers
-        table[name] = {
+        return {
             "label": CONTENDERS[name].label,
             "repeats": len(runs),
             "metrics": {m.key: summarize([n[m.key] for n in per_run]) for m in METRICS},
@@ -97,6 +94,8 @@ def build(results: list[dict[str, Any]], order: list[str], spec: ElasticSpec | d
             "absence_source": sorted({r["absence_source"] for r in runs if r.get("absence_source")}),
             "pattern_errors": [r["pattern_error"] for r in runs if r.get("pattern_error")],
         }
+
+    table = per_contender(results, order, entry)
     ours = table.get(OURS)
     if ours is not None:
         for name in AGAINST:

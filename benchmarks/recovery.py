@@ -22,7 +22,7 @@ from typing import Any
 
 from benchmarks import options, run
 from benchmarks.recovery_driver import CASES, Case, RecoverySpec
-from benchmarks.report import Metric, cell, failure_lines, summarize
+from benchmarks.report import Metric, cell, failure_lines, per_contender, summarize
 
 _SIZES = {
     "workers": "training processes per fit (default 2)",
@@ -96,19 +96,18 @@ def _finished(run: dict[str, Any], case: Case, spec: RecoverySpec) -> bool:
 
 def build(results: list[dict[str, Any]], order: list[str], spec: RecoverySpec) -> dict[str, Any]:
     """Per case and metric: samples, median, spread; ratios against Ray Train, percentages against max_failures=0."""
-    table: dict[str, dict[str, Any]] = {}
-    for name in order:
-        runs = [r for r in results if r["contender"] == name]
-        if not runs:
-            continue
+
+    def entry(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         case = CASES[name]
-        table[name] = {
+        return {
             "label": case.label,
             "part": case.part,
             "repeats": len(runs),
             "metrics": {m.key: summarize([r["metrics"][m.key] for r in runs]) for m in METRICS[case.part]},
             "finished": all(_finished(r, case, spec) for r in runs),
         }
+
+    table = per_contender(results, order, entry)
     _ratios(table)
     _percentages(table, results)
     _checkpoint_cost(table, spec)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.report import Metric, cell, failure_lines, median, metric_rows, summarize
+from benchmarks.report import Metric, cell, failure_lines, median, metric_rows, per_contender, summarize
 from benchmarks.storage_driver import CASES, Case, StorageSpec
 
 MEMORY_METRICS = (
@@ -76,20 +76,19 @@ def step_reference(case: Case) -> str:
 
 def build(results: list[dict[str, Any]], order: list[str], spec: StorageSpec) -> dict[str, Any]:
     """Per case and metric: samples, median, spread; ratios and percentages against the references."""
-    table: dict[str, dict[str, Any]] = {}
-    for name in order:
-        runs = [r for r in results if r["contender"] == name]
-        if not runs:
-            continue
+
+    def built(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         case = CASES[name]
         _add_derived(runs, case, results, spec)
-        table[name] = {
+        return {
             "label": case.label,
             "part": case.part,
             "repeats": len(runs),
             "metrics": {m.key: summarize([r["metrics"].get(m.key) for r in runs]) for m in METRICS[case.part]},
             "final_global_steps": [r["metrics"]["final_global_step"] for r in runs],
         }
+
+    table = per_contender(results, order, built)
     for name, entry in table.items():
         case = CASES[name]
         if case.part == "cost":
