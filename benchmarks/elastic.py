@@ -95,23 +95,20 @@ def spot_cluster(spec: ElasticSpec, temp_dir: str, env: dict[str, str]) -> Itera
 
     port = run._free_port()
     address = f"{ray.util.get_node_ip_address()}:{port}"
-    saved = dict(os.environ)
-    # As benchmarks.run.ray_cluster: every process of the cluster inherits the environment and finds this cluster.
-    os.environ.update(env, RAY_ADDRESS=address)
     cluster = None
-    try:
-        head = {"num_cpus": 0, "gcs_server_port": port, "temp_dir": temp_dir, "include_dashboard": True,
-                "dashboard_port": run._free_port()}  # fmt: skip
-        cluster = Cluster(initialize_head=True, head_node_args=head)
-        for _ in range(spec.workers):
-            add_worker_node(cluster)
-        cluster.wait_for_nodes()
-        yield cluster
-    finally:
-        if cluster is not None:
-            cluster.shutdown()
-        os.environ.clear()
-        os.environ.update(saved)
+    # As benchmarks.run.ray_cluster: every process of the cluster inherits the environment and finds this cluster.
+    with run.environment({**env, "RAY_ADDRESS": address}):
+        try:
+            head = {"num_cpus": 0, "gcs_server_port": port, "temp_dir": temp_dir, "include_dashboard": True,
+                    "dashboard_port": run._free_port()}  # fmt: skip
+            cluster = Cluster(initialize_head=True, head_node_args=head)
+            for _ in range(spec.workers):
+                add_worker_node(cluster)
+            cluster.wait_for_nodes()
+            yield cluster
+        finally:
+            if cluster is not None:
+                cluster.shutdown()
 
 
 def add_worker_node(cluster: Any) -> Any:

@@ -87,10 +87,8 @@ def ray_cluster(num_cpus: int, temp_dir: str, env: dict[str, str], num_gpus: int
     # front and give its address to every process of the cluster.
     port = _free_port()
     address = f"{ray.util.get_node_ip_address()}:{port}"
-    saved = dict(os.environ)
     # The raylet and the workers it starts inherit this process's environment.
-    os.environ.update(env, RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=address)
-    try:
+    with environment({**env, "RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": address}):
         # include_dashboard=None: the dashboard (the state API behind it) where its packages are installed;
         # a trimmed Ray (the GPU pack) has none and still runs every contender but Ray Train's cleaner.
         context = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=None,
@@ -102,6 +100,16 @@ def ray_cluster(num_cpus: int, temp_dir: str, env: dict[str, str], num_gpus: int
         finally:
             # Stops the processes this ray.init started, and only those; they would also die with this process.
             ray.shutdown()
+
+
+@contextlib.contextmanager
+def environment(variables: dict[str, str]) -> Iterator[None]:
+    """This process's environment with ``variables`` in the block (what it starts meanwhile inherits them), as it
+    was before afterwards."""
+    saved = dict(os.environ)
+    os.environ.update(variables)
+    try:
+        yield
     finally:
         os.environ.clear()
         os.environ.update(saved)
