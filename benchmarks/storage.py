@@ -168,7 +168,7 @@ class Harness:
             server_cpu = self._server_cpu_s()
             started = time.time()
             result = drivers.measure_once(case, spec_path, result_path, str(self.logs / f"{label}.log"), self.env,
-                                      self.args.timeout, _ENTRY)  # fmt: skip
+                                          self.args.timeout, _ENTRY)  # fmt: skip
             ended = time.time()
             server_cpu = self._server_cpu_s() - server_cpu
             # What stays in the bucket: the newest checkpoint (ray_lightning: its recovery folder).
