@@ -120,6 +120,8 @@ class RecoveryPlan:
     ``log_step``, the loggers' step at the checkpoint resumed from (log rows from later steps are
     dropped: they are logged again), and ``random_states``, rank 0's random generators at the first
     step after it (None if unknown). ``storage_run``: with ``storage_path``, where the checkpoints go.
+    ``from_memory``: every rank keeps its state when a peer's death fails a training batch, for a restart that
+    goes on from there (``ray_lightning.home.snapshot``; replicated strategies: DDP, Horovod).
     """
 
     every_n_steps: int | None
@@ -134,6 +136,7 @@ class RecoveryPlan:
     storage_run: Any = None
     # num_workers=(min, max): the sizes and the batch policy (ray_lightning.config.elastic); None: a fixed size.
     elastic: tuple[int, int, str] | None = None
+    from_memory: bool = False
 
 
 class ProgressMarker(Protocol):

@@ -194,7 +194,7 @@ def test_a_killed_worker_resumes_the_epoch_at_the_next_untrained_row(tmp_path):
         trainer = _trainer(strategy, max_epochs=2)
         trainer.fit(IdModel(str(out), kill_at=kill_at), datamodule=RayDataModule(train=dataset(100), batch_size=5))
     (restart,) = trainer.strategy.restarts
-    assert (restart.epoch, restart.global_step) == (0, 4), "killed at step 5, after the step-4 checkpoint"
+    assert (restart.epoch, restart.global_step) == (0, 4), "killed in step 5: the survivor's state after step 4"
     # What the weights saw: per rank and step, the batch of the last attempt that trained that step.
     effective = {r: {row["step"]: row["ids"] for row in rows} for r, rows in _records(killed).items()}
     expected = {r: {row["step"]: row["ids"] for row in rows} for r, rows in _records(reference).items()}
@@ -408,7 +408,7 @@ def test_a_restart_reads_its_resumed_epoch_without_running_the_pipeline_again(tm
     trainer = _trainer(strategy, max_epochs=1)
     trainer.fit(IdModel(str(out), kill_at=(0, 13)), datamodule=dm)
     (restart,) = trainer.strategy.restarts
-    assert restart.global_step == 12, "killed at step 14, after the step-12 checkpoint"
+    assert (restart.global_step, restart.source) == (13, "memory"), "killed in step 14: the survivor's state after 13"
     effective = {}
     for rank, rows in _records(out).items():
         for row in rows:

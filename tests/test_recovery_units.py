@@ -110,3 +110,53 @@ def test_a_sharded_fits_ranks_agree_on_a_preemption_about_once_a_second_not_at_e
     first = list(range(1, recovery.CALIBRATION_BATCHES + 1))
     assert decisions == first + [25, 50, 75, 100]
     assert len(broadcasts) == 1 and broadcasts[0][1] == 0 and broadcasts[0][0] >= 1
+
+
+def _progress_after(trainer, ready: int, processed: int, completed: int, epochs_before: int = 0) -> None:
+    """The training batch counters of an epoch (``epochs_before`` epochs of 4 batches before it)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    for counter, offset in ((progress.current, 0), (progress.total, 4 * epochs_before)):
+        counter.ready, counter.started = ready + offset, ready + offset
+        counter.processed, counter.completed = processed + offset, completed + offset
+
+
+def _counts(trainer) -> list[tuple[int, int, int, int]]:
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return [(c.ready, c.started, c.processed, c.completed) for c in (progress.current, progress.total)]
+
+
+def test_a_failed_batchs_counters_settle_after_the_last_completed_step():
+    import pytorch_lightning as pl
+
+    from ray_lightning._lightning import settle_failed_batch
+
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    # Failed in the step of the epoch's 3rd batch: every counter after the 2nd, so Lightning resumes at the 3rd.
+    _progress_after(trainer, ready=3, processed=2, completed=2, epochs_before=1)
+    settle_failed_batch(trainer)
+    assert _counts(trainer) == [(2, 2, 2, 2), (6, 6, 6, 6)]
+    # Failed after the step, in on_train_batch_end: Lightning's own checkpoint there, which its restart counts.
+    _progress_after(trainer, ready=3, processed=3, completed=2)
+    settle_failed_batch(trainer)
+    assert _counts(trainer) == [(3, 3, 3, 2), (3, 3, 3, 2)]
+    # A step every 2 batches: failed in the 4th batch, the 3rd only accumulated its gradient: back to after the 2nd.
+    trainer.accumulate_grad_batches = 2
+    _progress_after(trainer, ready=4, processed=3, completed=3)
+    settle_failed_batch(trainer)
+    assert _counts(trainer) == [(2, 2, 2, 2), (2, 2, 2, 2)]
+
+
+def test_a_failure_outside_a_training_batch_keeps_no_state(monkeypatch):
+    import pytorch_lightning as pl
+
+    from ray_lightning.home import snapshot
+
+    monkeypatch.setattr(snapshot, "_held", None)
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    kept = snapshot.MemorySnapshot(attempt=2)
+    trainer.callbacks.append(kept)
+    snapshot.keep_after_failure(trainer)  # before any batch (setting up, validating): only the step reached
+    header = snapshot.header()
+    assert (header.attempt, header.reached, header.global_step) == (2, 0, None)
+    snapshot.forget()
+    assert snapshot.header() is None

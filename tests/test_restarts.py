@@ -107,14 +107,15 @@ def _trainer(tmp_path, strategy, **kwargs) -> pl.Trainer:
     return pl.Trainer(**defaults)
 
 
-def _reference_weights(tmp_path, strategy_factory=RayStrategy, **kwargs) -> torch.Tensor:
+def _reference_weights(tmp_path, strategy_factory=RayStrategy, accumulate_grad_batches=1, **kwargs) -> torch.Tensor:
     """The weights of the same fit without a failure (the marker exists: nothing fails)."""
     directory = tmp_path / "reference"
     directory.mkdir()
     (directory / "marker").write_text("")
     pl.seed_everything(0)
     model = FailsOnce(str(directory / "marker"), **kwargs)
-    _trainer(directory, strategy_factory(num_workers=2)).fit(model)
+    trainer = _trainer(directory, strategy_factory(num_workers=2), accumulate_grad_batches=accumulate_grad_batches)
+    trainer.fit(model)
     return model.layer.weight.detach().clone()
 
 
@@ -134,8 +135,9 @@ def test_a_killed_worker_restarts_and_the_fit_ends_as_without_the_failure(tmp_pa
     assert marker.exists(), "the worker was never killed"
     (restart,) = trainer.strategy.restarts
     assert (restart.rank, restart.reason, restart.number) == (1, "worker died", 1)
-    # Resumed from epoch 0's checkpoint: 4 steps per epoch (64 samples, batch 8, 2 workers).
-    assert (restart.epoch, restart.global_step) == (1, 4)
+    # Went on from rank 0's memory: killed in epoch 1's third batch, after step 6 (4 steps per epoch: 64 samples,
+    # batch 8, 2 workers), not from epoch 0's checkpoint (step 4); only the step in flight was lost.
+    assert (restart.epoch, restart.global_step, restart.source, restart.steps_lost) == (1, 6, "memory", 0)
     assert "rank 1" in restart.cause and "died" in restart.cause
     assert (trainer.current_epoch, trainer.global_step) == (3, 12)
     assert torch.equal(model.layer.weight, _reference_weights(tmp_path, dropout=0.3))
@@ -157,6 +159,20 @@ def test_a_killed_worker_restarts_and_the_fit_ends_as_without_the_failure(tmp_pa
     first, second = sorted(pids[:2]), sorted(pids[2:])
     assert first[0] == second[0] and first[1] != second[1], pids
     wait_for(lambda: len(alive_worker_actors()) <= 2, 30, "the failed group's actors to be gone")
+
+
+def test_a_killed_worker_mid_accumulation_goes_on_from_the_last_step_the_survivor_completed(tmp_path):
+    pl.seed_everything(0)
+    # 4 batches per epoch, a step every 2: rank 1 dies in epoch 1's 4th batch, whose step would be the 4th.
+    model = FailsOnce(str(tmp_path / "killed"), epoch=1, batch=3, dropout=0.3)
+    trainer = _trainer(tmp_path, RayStrategy(num_workers=2, max_failures=1), accumulate_grad_batches=2)
+    trainer.fit(model)
+    (restart,) = trainer.strategy.restarts
+    # Epoch 1's 3rd batch had only accumulated its gradient (lost with the step): it trains again, from step 3.
+    assert (restart.epoch, restart.global_step, restart.source) == (1, 3, "memory")
+    assert (trainer.current_epoch, trainer.global_step) == (3, 6)
+    reference = _reference_weights(tmp_path, dropout=0.3, epoch=1, batch=3, accumulate_grad_batches=2)
+    assert torch.equal(model.layer.weight, reference)
 
 
 def test_an_exception_in_user_code_is_not_retried(tmp_path):
@@ -184,12 +200,13 @@ def test_failures_beyond_max_failures_raise_with_every_cause(tmp_path):
 def test_step_checkpoints_resume_mid_epoch(tmp_path):
     pl.seed_everything(0)
     marker = tmp_path / "killed"
-    trainer = _trainer(tmp_path, RayStrategy(num_workers=2, max_failures=1, recovery_checkpoint_every_n_steps=2))
-    trainer.fit(FailsOnce(str(marker), epoch=1, batch=3, checkpoint_step=6))
+    # One worker: no survivor holds the state, so the restart reads the newest step checkpoint.
+    trainer = _trainer(tmp_path, RayStrategy(num_workers=1, max_failures=1, recovery_checkpoint_every_n_steps=3))
+    trainer.fit(FailsOnce(str(marker), epoch=1, batch=5, rank=0, checkpoint_step=12))
     (restart,) = trainer.strategy.restarts
-    # Killed before epoch 1's 4th step (global step 7): the newest checkpoint was after step 6, mid-epoch 1.
-    assert (restart.epoch, restart.global_step) == (1, 6)
-    assert (trainer.current_epoch, trainer.global_step) == (3, 12)
+    # Killed before epoch 1's 6th step (global step 14): the newest checkpoint was after step 12, mid-epoch 1.
+    assert (restart.epoch, restart.global_step, restart.source) == (1, 12, "checkpoint")
+    assert (trainer.current_epoch, trainer.global_step) == (3, 24)
 
 
 def test_sigterm_to_a_worker_makes_rank_zero_checkpoint_before_the_restart(tmp_path, caplog):
@@ -249,7 +266,7 @@ def test_horovod_restarts_like_ddp(tmp_path):
     trainer = _trainer(tmp_path, HorovodRayStrategy(num_workers=2, max_failures=1))
     trainer.fit(model)
     (restart,) = trainer.strategy.restarts
-    assert (restart.rank, restart.epoch, restart.global_step) == (1, 1, 4)
+    assert (restart.rank, restart.epoch, restart.global_step, restart.source) == (1, 1, 6, "memory")
     assert (trainer.current_epoch, trainer.global_step) == (3, 12)
     assert torch.equal(model.layer.weight, _reference_weights(tmp_path, HorovodRayStrategy))
 
@@ -287,7 +304,7 @@ def test_a_tune_trial_restarts_its_workers_within_its_own_bundles(tmp_path):
     (trial,) = analysis.trials
     assert trial.status == "TERMINATED" and trial.num_failures == 0, "the trial itself never failed"
     assert (tmp_path / "killed").exists()
-    assert (tmp_path / "restarts").read_text() == "1:1:4"
+    assert (tmp_path / "restarts").read_text() == "1:1:6"  # from the survivor's memory, after step 6
     # Epoch 0 reported before the failure; epochs 1 and 2 after the restart, which resumed at epoch 1.
     assert trial.last_result["training_iteration"] == 3
 

@@ -107,7 +107,10 @@ def test_losing_rank_zeros_node_mid_epoch_restarts_and_keeps_every_finished_epoc
     # broken collective if its error arrives before rank 0's death.
     reasons = ("node lost", "worker died", "collective broken by a peer's loss")
     assert restart.rank in (0, 1) and restart.reason in reasons, restart
-    assert (restart.epoch, restart.global_step) == (1, 4)
+    if restart.source == "memory":  # seen as a worker's death while its bundle still looked placed: rank 1's state
+        assert restart.epoch == 1 and restart.steps_lost == 0, restart
+    else:  # the node's loss: a new group, from epoch 0's checkpoint
+        assert (restart.epoch, restart.global_step, restart.source) == (1, 4, "checkpoint"), restart
     # The same training as without the failure: same weights, every epoch's checkpoint on this machine
     # (rank 0 wrote epoch 0's on the node that is gone), and the log of every step.
     assert torch.equal(model.layer.weight, reference.layer.weight)

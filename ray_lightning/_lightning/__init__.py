@@ -44,6 +44,7 @@ from ray_lightning._lightning.names import (
     logger_directory_holders,
     output_directories,
     set_batches_done,
+    settle_failed_batch,
     use_filesystems_of_logger_paths,
     use_filesystems_of_paths,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "ensure_installed",
     "batches_processed",
     "set_batches_done",
+    "settle_failed_batch",
     "fit_progress_state",
     "init_dist_connection",
     "is_last_batch",

@@ -179,6 +179,23 @@ def set_batches_done(trainer: pl.Trainer, done: int) -> None:
         setattr(current, name, getattr(current, name) + shift)
 
 
+def settle_failed_batch(trainer: pl.Trainer) -> None:
+    """In a fit that failed inside a training batch: its batch counters as right after the last batch whose optimizer
+    step completed (``accumulate_grad_batches``: the batches since then lose their gradients). Every counter equal,
+    so Lightning resumes at the next batch without counting the loggers' step again (2.6's ``RESTARTED_ON_LAST``; no
+    such adjustment before 2.5). Left alone when it failed after the step, in ``on_train_batch_end``: that is
+    Lightning's own ``on_train_batch_end`` checkpoint, which its restart already counts."""
+    progress = _progress(trainer, "epoch_loop.batch_progress")
+    current, total = progress.current, progress.total
+    done = current.processed - current.processed % max(1, trainer.accumulate_grad_batches)
+    if done == current.processed == current.started == current.ready == current.completed + 1:
+        return
+    back = current.processed - done
+    for counter, value in ((current, done), (total, total.processed - back)):
+        for name in ("ready", "started", "processed", "completed"):
+            setattr(counter, name, value)
+
+
 def load_fit_progress(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     for key, path in FIT_PROGRESS:
         _progress(trainer, path).load_state_dict(state[key])

@@ -76,6 +76,7 @@ class HorovodRayStrategy(RayWorkersMixin):
 
     registry_name = "horovod_ray"
     lightning_base = "strategies.ParallelStrategy"
+    state_in_every_rank = True  # every rank holds the whole state (launch.memory)
 
     @worker_arguments(defaults={"num_workers": None})
     def __init__(self, num_hosts: int | None = None, num_slots: int | None = None) -> None:

@@ -22,7 +22,9 @@ import ray
 import torch
 
 from ray_lightning import namespaces
+from ray_lightning.home import snapshot
 from ray_lightning.home.results import WorkerOutput
+from ray_lightning.home.snapshot import SnapshotHeader
 from ray_lightning.launch import priority
 from ray_lightning.launch.call import WorkerCall, imported_code_files, mtime
 from ray_lightning.launch.rendezvous import Rendezvous, RendezvousPoint
@@ -96,6 +98,7 @@ class RayWorker:
         """
         self.finish_call()
         self._weights = []
+        snapshot.forget()  # a failed fit's state, shared (or not needed) before this call was sent
         call = WorkerCall(context, self._store, self.started)
         try:
             output = call.run(payload[0])
@@ -112,6 +115,14 @@ class RayWorker:
         # The clean-up for the next call waits until the results are on their way (finish_call).
         self._unfinished = call
         return output
+
+    def snapshot_header(self) -> SnapshotHeader | None:
+        """After a fit failed here: the step this process reached, and the state it holds (``home.snapshot``)."""
+        return snapshot.header()
+
+    def share_snapshot(self) -> list[ray.ObjectRef]:
+        """The held state, serialized into this node's object store, for the restarted ranks: ``[reference]``."""
+        return snapshot.share()
 
     def weights_chunk(self, index: int) -> list[Any]:
         """Chunk ``index`` of the trained weights this worker holds for the driver (:mod:`ray_lightning.home.weights`).

@@ -28,11 +28,12 @@ from ray_lightning.channel.heartbeat import Heartbeat, HeartbeatCallback
 from ray_lightning.channel.progress import readable_output
 from ray_lightning.channel.worker_output import end_of_output
 from ray_lightning.data.elastic import ElasticTraining
-from ray_lightning.home import files, loggers, storage
+from ray_lightning.home import files, loggers, snapshot, storage
 from ray_lightning.home.outbox import Outbox
 from ray_lightning.home.predictions import PredictionRecorder
 from ray_lightning.home.recovery import RecoveryCheckpoints, RestoreRandomStates
 from ray_lightning.home.results import WorkerOutput, collect_worker_output
+from ray_lightning.home.snapshot import MemorySnapshot
 from ray_lightning.launch import priority
 from ray_lightning.launch.payload import with_checkpoint_path
 from ray_lightning.launch.preemption import PreemptionWatch, SigtermFirst, where_this_runs
@@ -129,6 +130,7 @@ class WorkerCall:
                 with readable_output(rank_zero, progress_to_driver=context.driver_queue is not None), logging_runs:
                     results = function(*args, **kwargs)
             except BaseException:
+                snapshot.keep_after_failure(trainer)  # what a restart may go on from (a replicated fit's state)
                 if uses_storage:
                     # A restart may read the checkpoint the uploads left would replace: they write no marker.
                     storage.uploads().abandon()
@@ -227,6 +229,8 @@ def _add_recovery(trainer: pl.Trainer, context: WorkerContext, staging: str | No
     low, high, policy = plan.elastic or (None, None, None)
     # Every rank: the batch policy at this size, and where an interrupted epoch goes on (data.elastic).
     trainer.callbacks.append(ElasticTraining(high, low, policy))
+    if plan.from_memory:
+        trainer.callbacks.append(MemorySnapshot(plan.attempt))  # what a restart goes on from (home.snapshot)
     # A sharded strategy's checkpoints take every rank.
     collective = bool(getattr(trainer.strategy, "collective_checkpoints", False))
     run = plan.storage_run

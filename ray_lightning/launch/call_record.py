@@ -21,10 +21,12 @@ from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.contexts import CallSettings, node_staging_name
 from ray_lightning.launch.elastic import Growth
 from ray_lightning.launch.failures import Failure
+from ray_lightning.launch.payload import checkpoint_files
 from ray_lightning.launch.recovery import Recovery
 from ray_lightning.launch.session import driver_node_id
 from ray_lightning.launch.watchdog import Watchdog
 from ray_lightning.launch.worker_group import WorkerGroup
+from ray_lightning.runtime import CheckpointFile
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -65,6 +67,30 @@ class DriverCall:
     # The driver's folder (home.driver_disk) the ranks that stage copy their large files into, made for the first
     # attempt with one; removed when the call ends.
     files_home: str | None = None
+
+
+def attempt_checkpoint(
+    call: DriverCall, infos: Sequence[NodeInfo], driver_node: str
+) -> tuple[CheckpointFile | None, CheckpointFile | None]:
+    """What an attempt's ranks resume from, for those on the driver's machine and for the others: the survivors'
+    state after a worker died (:mod:`.memory`), else the newest recovery checkpoint, else the call's ``ckpt_path``."""
+    in_memory = call.recovery.memory_file
+    if in_memory is not None:
+        return in_memory, in_memory
+    path = call.recovery.checkpoint(call.checkpoint)
+    return checkpoint_files(
+        path,
+        local=any(i.node_id == driver_node for i in infos),
+        remote=any(i.node_id != driver_node for i in infos),
+        # A recovery checkpoint (in the run's folder or the driver's recovery folder), or any checkpoint in the
+        # storage path, is read there.
+        in_storage=path is not None
+        and (
+            (path == call.checkpoint and call.checkpoint_in_place)
+            or (path != call.checkpoint and call.recovery.checkpoint_run is not None)
+            or (call.run is not None and call.run.holds(path))
+        ),
+    )
 
 
 def ranks_stage(strategy: Any, call: DriverCall) -> bool:

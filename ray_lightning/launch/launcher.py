@@ -49,6 +49,7 @@ from ray_lightning.launch.bring_home import BringsHome
 from ray_lightning.launch.call_record import (
     Attempt,
     DriverCall,
+    attempt_checkpoint,
     keeps_fit,
     ranks_stage,
     seed_directories,
@@ -70,7 +71,6 @@ from ray_lightning.launch.failures import Decision, classify, decide
 from ray_lightning.launch.payload import (
     check_checkpoint_exists,
     checkpoint_argument,
-    checkpoint_files,
     enter_driver_hooks,
     given_checkpoint,
     prepare_arguments,
@@ -163,7 +163,9 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
             checkpoint_in_place=read_in_place(trainer, checkpoint),
             seed_directories=seed_directories(trainer),
             payload=payload,
-            recovery=Recovery(workers.recovery, scope, self._strategy.restarts, run, elastic),
+            recovery=Recovery(
+                workers.recovery, scope, self._strategy.restarts, run, elastic, self._strategy.state_in_every_rank
+            ),
             scope=scope,
             run=run,
             keep_checkpoints=files.path_forms(given),
@@ -237,9 +239,11 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
             except BaseException:
                 attempt.group.shutdown()
                 raise
+        survivors = group.survivors if group is not None else []
         if group is None:
             group = self._acquire_group(call)
-        call.recovery.record_restart(failure, len(group.ranks))
+        # A replicated fit goes on from the survivors' state when they hold one (launch.memory).
+        call.recovery.record_restart(failure, len(group.ranks), survivors)
         return group
 
     @override
@@ -350,20 +354,7 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
         timeout_s = self._strategy.workers.timeouts.start_s
         point = group.open_rendezvous(self._strategy.rendezvous, nodes_by_rank(group.ranks, infos), timeout_s)
         driver_node = driver_node_id()
-        path = call.recovery.checkpoint(call.checkpoint)
-        shipped = checkpoint_files(
-            path,
-            local=any(i.node_id == driver_node for i in infos),
-            remote=any(i.node_id != driver_node for i in infos),
-            # A recovery checkpoint (in the run's folder or the driver's recovery folder), or any checkpoint in the
-            # storage path, is read there.
-            in_storage=path is not None
-            and (
-                (path == call.checkpoint and call.checkpoint_in_place)
-                or (path != call.checkpoint and call.recovery.checkpoint_run is not None)
-                or (call.run is not None and call.run.holds(path))
-            ),
-        )
+        shipped = attempt_checkpoint(call, infos, driver_node)
         rank_zero_info = namespaces.of(self._strategy).pl("utilities.rank_zero.rank_zero_info")
         resources = self._strategy.workers.resources
         if len(group.ranks) != resources.num_workers and not resources.num_hosts:

@@ -17,6 +17,7 @@ class LaunchedStrategy(Protocol):
 
     workers: WorkerSpec
     restarts: list[Any]
+    state_in_every_rank: bool  # a restart may go on from the survivors' state (launch.memory)
 
     @property
     def rendezvous(self) -> Rendezvous:

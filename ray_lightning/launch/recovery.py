@@ -35,10 +35,11 @@ from ray_lightning.config.restarts import RecoverySettings
 from ray_lightning.errors import RayWorkerError, WorkerPreemptedError
 from ray_lightning.home import driver_disk, files, landing, storage
 from ray_lightning.home.outbox import Outbox
+from ray_lightning.launch import memory
 from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.failures import RESIZES, Failure, Kind
 from ray_lightning.launch.preemption import forget_notice
-from ray_lightning.runtime import RecoveryPlan
+from ray_lightning.runtime import CheckpointFile, RecoveryPlan
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,10 @@ class Restart:
     """One restart of a call's workers, as ``trainer.strategy.restarts`` lists them.
 
     ``rank`` failed on ``node`` (its IP) because of ``cause`` (the error's first line); the new
-    workers resumed in ``epoch`` after ``global_step`` optimizer steps, from the newest recovery
-    checkpoint (both None: from the call's start). ``failed_at``: when the driver learned of it
+    workers resumed in ``epoch`` after ``global_step`` optimizer steps, from ``source``: ``"memory"`` (the
+    survivors' state at the failure, :mod:`.memory`) or ``"checkpoint"`` (the newest recovery checkpoint; both
+    None and ``source`` None: from the call's start). ``steps_lost``: optimizer steps the survivors had completed
+    beyond that point, trained again (None: unknown). ``failed_at``: when the driver learned of it
     (``time.time()``); ``reason``: why a restart could fix it.
     """
 
@@ -65,6 +68,8 @@ class Restart:
     failed_at: float
     reason: str
     world_size: int | None = None
+    source: str | None = None
+    steps_lost: int | None = None
 
     @property
     def resize(self) -> bool:
@@ -91,8 +96,12 @@ class Recovery:
         history: list[Restart],
         run: storage.Run | None = None,
         elastic: ElasticSettings | None = None,
+        from_memory: bool = False,
     ) -> None:
         self.settings = settings
+        # A replicated fit's restart after a worker died goes on from the survivors' state (launch.memory).
+        self.from_memory = from_memory
+        self._memory: memory.InMemory | None = None
         self.elastic = elastic  # num_workers=(min, max): it grows at recovery checkpoints, so it takes them
         self.run = run  # with storage_path: the checkpoints are in the run's folder, never on this machine
         self._home: storage.Run | None = None  # without: the call's folder on this machine (home.driver_disk)
@@ -158,19 +167,24 @@ class Recovery:
             self._home = storage.Run(driver_disk.run_url(folder), folder)
         nodes = tuple(dict.fromkeys(info.node_id for info in infos))
         latest = self._latest if self.restarts else None
+        log_step = latest.log_step if latest is not None else None
+        random_states = self._random_states.get(latest.global_step) if latest is not None else None
+        if self._memory is not None:
+            log_step, random_states = self._memory.header.log_step, self._memory.header.random_states
         return RecoveryPlan(
             self.settings.every_n_steps,
             self.notice_key,
             nodes,
             attempt=len(self.restarts),
-            log_step=latest.log_step if latest is not None else None,
-            random_states=self._random_states.get(latest.global_step) if latest is not None else None,
+            log_step=log_step,
+            random_states=random_states,
             storage_run=self.checkpoint_run,
             elastic=(
                 (self.elastic.min_workers, self.elastic.max_workers, self.elastic.batch_policy)
                 if self.elastic is not None
                 else None
             ),
+            from_memory=self.from_memory and fitting,
         )
 
     def resume_from_storage(self, entry: storage.RecoveryEntry) -> None:
@@ -190,6 +204,8 @@ class Recovery:
             self._random_states = {header["random_states_for"]: value}
             return
         self._latest = _checkpoint_in_storage(header)
+        if self._memory is not None and self._latest.global_step >= self._memory.header.global_step:
+            self._memory = None  # read by the restarted ranks long ago: its copy leaves the source's object store
         if value is not None:
             self.mirror(landing.write(value["files"], self._scope), landing.remove(value["removed"], self._scope))
         log.debug("ray_lightning: recovery checkpoint at epoch %s, step %s in %s", *_where(header))
@@ -215,33 +231,48 @@ class Recovery:
             reason=reason,
         )
 
+    @property
+    def memory_file(self) -> CheckpointFile | None:
+        """The survivors' state the next attempt goes on from (:mod:`.memory`), when a restart took one."""
+        return self._memory.file if self._memory is not None else None
+
     def checkpoint(self, given: str | None) -> str | None:
         """The ``ckpt_path`` file the next attempt resumes from: the newest recovery checkpoint, else ``given``."""
         return self._latest.path if self._latest is not None else given
 
-    def record_restart(self, failure: Failure, world_size: int | None = None) -> Restart:
+    def record_restart(self, failure: Failure, world_size: int | None = None, survivors: Iterable[Any] = ()) -> Restart:
         """Log and record the restart that follows ``failure`` (:func:`~.failures.decide` chose it) on
-        ``world_size`` workers."""
+        ``world_size`` workers; ``survivors``: the actors it keeps, whose state it may go on from."""
+        failed_at = time.time()
         if self.checkpoint_run is not None:
             # Rank 0 may have completed a checkpoint and died before its word reached this process.
             found = storage.newest_complete(self.checkpoint_run)
             if found is not None and (self._latest is None or found.header["global_step"] >= self._latest.global_step):
                 self._latest = _checkpoint_in_storage(found.header)
-        latest = self._latest
+        latest, reached, self._memory = self._latest, None, None
+        if self.from_memory and survivors:
+            newer_than = latest.global_step if latest is not None else None
+            self._memory, reached = memory.take(list(survivors), len(self.restarts), newer_than)
+        point: Any = self._memory.header if self._memory is not None else latest
+        source = "memory" if self._memory is not None else "checkpoint" if latest is not None else None
         restart = Restart(
             number=len(self.restarts) + 1,
             rank=failure.rank,
             node=failure.node.node_ip if failure.node is not None else None,
             cause=_first_line(failure.error),
-            epoch=latest.epoch if latest else None,
-            global_step=latest.global_step if latest else None,
-            failed_at=time.time(),
+            epoch=point.epoch if point else None,
+            global_step=point.global_step if point else None,
+            failed_at=failed_at,
             reason=failure.kind.value,
             world_size=world_size,
+            source=source,
+            steps_lost=reached - point.global_step if reached is not None and point is not None else None,
         )
         self.restarts.append(restart)
         self._history.append(restart)
-        resumed = f"from epoch {restart.epoch} after step {restart.global_step}" if latest else "from the start"
+        resumed = f"from epoch {restart.epoch} after step {restart.global_step}" if point else "from the start"
+        if source == "memory":
+            resumed += " (the survivors' state in memory)"
         if failure.kind in RESIZES:
             log.warning("ray_lightning: %s workers now; the call goes on %s.", world_size, resumed)
             return restart
@@ -291,6 +322,7 @@ class Recovery:
 
     def close(self) -> None:
         """After the call: remove the recovery checkpoints on this machine and the notice key."""
+        self._memory = None
         if self._home is not None:
             try:
                 storage.remove(self._home.url)

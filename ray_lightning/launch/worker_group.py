@@ -46,6 +46,7 @@ class WorkerGroup:
         self.infos: list[NodeInfo] = []
         self.calls = 0  # calls run so far: more than 0 when the group is reused
         self._running: list[Any] = []  # the running call's refs, actor by actor
+        self.survivors: list[Any] = []  # after salvage: the actors whose processes came out of the broken call
         self._request: WorkerResources | None = None
         self._channel: DriverChannel | None = None
         self._session = ray_session()
@@ -101,6 +102,8 @@ class WorkerGroup:
         for i, check in zip(came_out, checks):
             if check not in answered or not _answer(check):
                 self._replace(i)
+                replaced.add(i)
+        self.survivors = [self.actors[i] for i in came_out if i not in replaced]
         self.infos = []  # asked again: the new actors' pids
         return self
 

@@ -131,6 +131,8 @@ class RayStrategy(RayWorkersMixin):
     registry_name = "ray"
     lightning_base = "strategies.DDPStrategy"
 
+    state_in_every_rank = True  # DDP: every rank holds the whole state (launch.memory)
+
     @worker_arguments(
         passes_on=("strategies.DDPStrategy", "torch.nn.parallel.DistributedDataParallel"), decided=_DECIDED
     )

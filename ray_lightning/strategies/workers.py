@@ -210,6 +210,10 @@ class RayWorkersMixin(WorkerCheckpoints, InWorker, LightningStrategyHooks, names
         """What its collectives raise, besides torch's ``DistError``, when a peer went away (launch.failures)."""
         return ()
 
+    # Every rank holds the whole state (DDP, Horovod): a restart after a worker died goes on from the survivors'
+    # state (launch.memory). A sharded strategy's lost rank held a part that exists nowhere else.
+    state_in_every_rank = False
+
     @override
     def make_launcher(self) -> RayLauncher:
         return RayLauncher(self)
