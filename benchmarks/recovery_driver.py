@@ -78,12 +78,21 @@ class Case:
     sharded: bool = False  # RayFSDPStrategy instead of RayStrategy
     # Cadence cases: the max_failures=0 case of the same strategy, the percentages' denominator.
     baseline: str | None = None
+    # False: the survivors' state in memory is not used (the restart as before 0.6: from the newest checkpoint).
+    from_memory: bool = True
 
 
 CASES: dict[str, Case] = {
     c.name: c
     for c in (
         Case("ray", "RayStrategy(max_failures=1), checkpoints at epoch ends", "recovery", against="ray_train"),
+        Case(
+            "ray_ckpt",
+            "RayStrategy(max_failures=1), checkpoints at epoch ends, restarting from them (not from memory)",
+            "recovery",
+            against="ray_train",
+            from_memory=False,
+        ),
         Case(
             "ray_n",
             "RayStrategy(max_failures=1, recovery_checkpoint_every_n_steps=N)",
@@ -226,6 +235,8 @@ def _ray_lightning_fit(spec: RecoverySpec, case: Case, paths: Paths) -> dict[str
     every_n = {"recovery_checkpoint_every_n_steps": spec.every_n} if case.every_n else {}
     # RayFSDPStrategy shards BenchModule itself (its `net` one FSDP unit) before configure_optimizers runs.
     kind = RayFSDPStrategy if case.sharded else RayStrategy
+    if not case.from_memory:
+        RayStrategy.state_in_every_rank = False  # this driver process's fits: the survivors' state is not used
     strategy = kind(num_workers=spec.workers, max_failures=case.max_failures, **every_n)
     trainer = pl.Trainer(
         **_trainer_arguments(sizes, epochs),
@@ -275,6 +286,14 @@ def _ray_train_fit(spec: RecoverySpec, case: Case, paths: Paths) -> dict[str, An
     return {"checkpoint_reported": result.checkpoint is not None}
 
 
+def _back_at_kill_step(clock: dict[str, Any], back: int, kill_t: float) -> float | None:
+    """When the restarted fit had the kill step's state again: its batch end, or (resumed at or past it, from the
+    survivors' memory) its first step, by which it has it."""
+    if back < 0:
+        return clock["first_optimizer_step"] - kill_t
+    return clock["batch_ends"][back] - kill_t if back < len(clock["batch_ends"]) else None
+
+
 def _recovery_metrics(spec: RecoverySpec, paths: Paths, t0: float, t1: float, restarts: list[dict]) -> dict[str, Any]:
     """Kill → first step after the restart, the steps trained again, the fit's time and end, from the files."""
     kills = read_lines(paths.marker)
@@ -293,7 +312,7 @@ def _recovery_metrics(spec: RecoverySpec, paths: Paths, t0: float, t1: float, re
         "new_process_s": starts[-1]["process_started"] - kill_t,
         "relaunch_s": clock["fit_start"] - kill_t,
         "work_lost_steps": kill_step - resumed,
-        "back_at_kill_step_s": clock["batch_ends"][back] - kill_t if 0 <= back < len(clock["batch_ends"]) else None,
+        "back_at_kill_step_s": _back_at_kill_step(clock, back, kill_t),
         "fit_s": t1 - t0,
         "final_global_step": ends[-1]["global_step"] if ends else None,
         "attempts": len(starts),
