@@ -160,3 +160,21 @@ def test_a_failure_outside_a_training_batch_keeps_no_state(monkeypatch):
     assert (header.attempt, header.reached, header.global_step) == (2, 0, None)
     snapshot.forget()
     assert snapshot.header() is None
+
+
+def test_a_state_that_cannot_be_kept_leaves_the_fits_own_error_to_the_driver(monkeypatch):
+    import pytorch_lightning as pl
+
+    from ray_lightning.home import snapshot
+
+    monkeypatch.setattr(snapshot, "_held", None)
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    kept = snapshot.MemorySnapshot(attempt=0)
+
+    def fails(trainer):
+        raise RuntimeError("a user's on_save_checkpoint failed")
+
+    monkeypatch.setattr(kept, "keep", fails)
+    trainer.callbacks.append(kept)
+    snapshot.keep_after_failure(trainer)  # does not raise: the worker then re-raises the fit's error
+    assert snapshot.header().global_step is None

@@ -32,6 +32,7 @@ Nothing passes through the driver's process.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,8 @@ from ray_lightning.home.recovery import random_states
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ class MemorySnapshot(*namespaces.every("callbacks.Callback")):
     batch (see the module docstring)."""
 
     def __init__(self, attempt: int) -> None:
-        self._attempt = attempt
+        self.attempt = attempt
         self._in_batch = False
         self._random_states: Any = None
 
@@ -90,12 +93,12 @@ class MemorySnapshot(*namespaces.every("callbacks.Callback")):
         global _held
         step = trainer.global_step
         if not self._in_batch or trainer.sanity_checking or not trainer.training:
-            _held = (SnapshotHeader(self._attempt, step), None)
+            _held = (SnapshotHeader(self.attempt, step), None)
             return
         # The position after the last completed step (this rank's Trainer of the failed fit, which ends here).
         _lightning.settle_failed_batch(trainer)
         header = SnapshotHeader(
-            self._attempt,
+            self.attempt,
             step,
             global_step=step,
             epoch=trainer.current_epoch,
@@ -106,10 +109,16 @@ class MemorySnapshot(*namespaces.every("callbacks.Callback")):
 
 
 def keep_after_failure(trainer: pl.Trainer) -> None:
-    """In a worker whose fit raised: keep what a restart may go on from, if this fit keeps snapshots."""
+    """In a worker whose fit raised: keep what a restart may go on from, if this fit keeps snapshots. Never raises:
+    the fit's own error is what the driver must see (a state that could not be taken leaves only the step)."""
+    global _held
     for callback in trainer.callbacks:
         if isinstance(callback, MemorySnapshot):
-            callback.keep(trainer)
+            try:
+                callback.keep(trainer)
+            except Exception as error:  # noqa: BLE001 - a hook of the checkpoint failed: the restart reads one
+                log.warning("ray_lightning: this rank's state could not be kept for the restart: %r", error)
+                _held = (SnapshotHeader(callback.attempt, trainer.global_step), None)
 
 
 def header() -> SnapshotHeader | None:
