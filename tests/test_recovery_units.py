@@ -157,7 +157,7 @@ def test_a_failure_outside_a_training_batch_keeps_no_state(monkeypatch):
     trainer.callbacks.append(kept)
     snapshot.keep_after_failure(trainer)  # before any batch (setting up, validating): only the step reached
     header = snapshot.header()
-    assert (header.attempt, header.reached, header.global_step) == (2, 0, None)
+    assert (header.attempt, header.global_step, header.held) == (2, 0, False)
     snapshot.forget()
     assert snapshot.header() is None
 
@@ -177,4 +177,4 @@ def test_a_state_that_cannot_be_kept_leaves_the_fits_own_error_to_the_driver(mon
     monkeypatch.setattr(kept, "keep", fails)
     trainer.callbacks.append(kept)
     snapshot.keep_after_failure(trainer)  # does not raise: the worker then re-raises the fit's error
-    assert snapshot.header().global_step is None
+    assert not snapshot.header().held

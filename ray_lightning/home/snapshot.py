@@ -51,15 +51,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SnapshotHeader:
-    """What a survivor holds: the attempt it trained in, and where its state is (``None`` fields: no snapshot,
-    only the step it reached, ``reached``)."""
+    """What a survivor holds: the attempt it trained in, the optimizer steps it completed before the failure, and
+    where its state is (``epoch`` None: it holds no state, only the step it reached)."""
 
     attempt: int
-    reached: int  # the optimizer steps this rank completed before the failure
-    global_step: int | None = None
+    global_step: int
     epoch: int | None = None
     log_step: int | None = None
     random_states: Any = None
+
+    @property
+    def held(self) -> bool:
+        """Whether the survivor holds its state (the fit failed inside a training batch)."""
+        return self.epoch is not None
 
 
 _held: tuple[SnapshotHeader, dict[str, Any] | None] | None = None
@@ -92,7 +96,7 @@ class MemorySnapshot(*namespaces.every("callbacks.Callback")):
         """The fit failed: keep its state if the failure was inside a training batch, else only the step reached."""
         global _held
         step = trainer.global_step
-        if not self._in_batch or trainer.sanity_checking or not trainer.training:
+        if not self._in_batch:  # validation, an epoch's end, set-up: between training batches
             _held = (SnapshotHeader(self.attempt, step), None)
             return
         # The position after the last completed step (this rank's Trainer of the failed fit, which ends here).
@@ -100,7 +104,6 @@ class MemorySnapshot(*namespaces.every("callbacks.Callback")):
         header = SnapshotHeader(
             self.attempt,
             step,
-            global_step=step,
             epoch=trainer.current_epoch,
             log_step=_lightning.fit_progress_state(trainer)["batches_that_stepped"],
             random_states=self._random_states,

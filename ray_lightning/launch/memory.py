@@ -43,8 +43,8 @@ def take(survivors: list[Any], attempt: int, newer_than: int | None) -> tuple[In
     """The survivors' newest state from attempt ``attempt`` when it is at least at step ``newer_than`` (the newest
     recovery checkpoint's; None: there is none), and the furthest step any survivor reached (None: unknown)."""
     headers = _headers(survivors, attempt)
-    reached = max((h.reached for h, _ in headers), default=None)
-    held = [(h, actor) for h, actor in headers if h.global_step is not None]
+    reached = max((h.global_step for h, _ in headers), default=None)
+    held = [(h, actor) for h, actor in headers if h.held]
     if not held:
         return None, reached
     header, actor = max(held, key=lambda pair: pair[0].global_step)
