@@ -18,14 +18,15 @@ reading rank 0's progress from the file the workers append to after every batch
   the elastic RayStrategy and for Ray Train alike (Ray Train runs the same Lightning module, Trainer and progress
   callback inside its ``train_loop_per_worker``: its rank 0 writes the same file; Ray Train's own ``report`` is not
   used for the pattern, only for its checkpoints);
-- the fixed-size ``RayStrategy(num_workers=3, max_failures=3)`` makes no progress while the node is away: on a
-  cluster without an autoscaler its restart fails at once with ``ClusterResourceError`` (the alive nodes can never
-  hold 3 workers), so the driver does what a job scheduler would, waits until the cluster holds 3 workers again and
-  fits again from the newest epoch-end checkpoint (``ModelCheckpoint``). Its node comes back after a wall time: the
-  absence of the elastic run of the same round (loss → node added back, measured there), or ``--absence-s`` where
-  no elastic run of the round measured one. The node is away for as long for both, as the same spot market would
-  keep it away; what differs is what each does meanwhile (the elastic run trains on 2 workers, the fixed one
-  waits). Each round measures the elastic run first.
+- the fixed-size ``RayStrategy(num_workers=3, max_failures=3)`` makes no progress while the node is away: its
+  restart waits up to 30 s for Ray to place the lost node's workers again (a node back by then: it goes on in the
+  survivors' processes); after that, on a cluster without an autoscaler, it fails with ``ClusterResourceError``
+  (the alive nodes can never hold 3 workers), and the driver does what a job scheduler would, waits until the
+  cluster holds 3 workers again and fits again from the newest epoch-end checkpoint (``ModelCheckpoint``). Its
+  node comes back after a wall time: the absence of the elastic run of the same round (loss → node added back,
+  measured there), or ``--absence-s`` where no elastic run of the round measured one. The node is away for as long
+  for both, as the same spot market would keep it away; what differs is what each does meanwhile (the elastic run
+  trains on 2 workers, the fixed one waits). Each round measures the elastic run first.
 - the uninterrupted run (``RayStrategy(num_workers=3)``, no node lost) gives the reference accuracy and time.
 
 The worker nodes are processes sharing this machine's cores, so the MLP alone would train about as fast on 2

@@ -214,8 +214,9 @@ def _fixed_size(spec: ElasticSpec, paths: SpotPaths) -> tuple[ElasticModule, dic
     the cluster can no longer hold its workers: wait until it can, then fit again from the newest epoch-end
     checkpoint (``ModelCheckpoint`` in the driver's directory; every node is on this machine).
 
-    RayStrategy itself does not wait for a lost node on a cluster without an autoscaler: the restart's placement
-    fails at once with ``ClusterResourceError`` (no waiting could place 3 workers on the nodes alive)."""
+    RayStrategy itself waits up to 30 s for Ray to place the lost node's workers again (keeping the survivors'
+    processes and state): a node back within that rides it out without a resubmission; after that its restart's
+    placement fails with ``ClusterResourceError`` on a cluster without an autoscaler."""
     from ray_lightning import RayStrategy
     from ray_lightning.errors import ClusterResourceError
 
@@ -313,7 +314,7 @@ CONTENDERS: dict[str, Contender] = {
         ),
         Contender(
             "fixed",
-            "ray_lightning RayStrategy(num_workers=3), resubmitted when the node is back",
+            "ray_lightning RayStrategy(num_workers=3): waits 30 s for the node, else resubmitted when it is back",
             _fixed_size,
             pattern="time",
         ),

@@ -122,6 +122,17 @@ def test_no_growth_at_the_most_workers_nor_after_the_last_epoch_nor_between_chec
     assert stepped.check(2, _Checkpoint(2, 10, "every 2 steps")) is None
 
 
+def test_a_lost_nodes_reservation_placed_again_is_room_to_grow_into(monkeypatch):
+    import ray_lightning.launch.elastic as elastic
+
+    probed = []
+    monkeypatch.setattr(elastic, "free_room", lambda request, most: probed.append(most) or 0)
+    growth = Growth(ElasticSettings(2, 4, grow_check_interval_s=0), None, max_epochs=3, max_steps=-1)
+    error = growth.check(2, _Checkpoint(1, 4), spare=lambda: 1)
+    assert error is not None and error.size == 3, error
+    assert probed == [1], "the cluster is asked only for room beyond the group's own placed bundle"
+
+
 class LogsLearningRate(BoringModel):
     def __init__(self, batch_size: int = 8) -> None:
         super().__init__(lr=0.3, batch_size=batch_size, size=48)

@@ -140,7 +140,7 @@ def test_restart_or_raise(kind):
         Kind.PEER_LOST,
     }
     assert decide(failure, restarts_done=0, max_failures=2) == Decision(
-        restart=restartable, keep_processes=restartable and kind is Kind.WORKER_DIED
+        restart=restartable, keep_processes=restartable and kind in (Kind.WORKER_DIED, Kind.NODE_LOST)
     )
     assert decide(failure, restarts_done=2, max_failures=2) == Decision(restart=False), "max_failures spent"
     assert decide(failure, restarts_done=0, max_failures=0) == Decision(restart=False), "restarts off"

@@ -178,3 +178,43 @@ def test_a_state_that_cannot_be_kept_leaves_the_fits_own_error_to_the_driver(mon
     trainer.callbacks.append(kept)
     snapshot.keep_after_failure(trainer)  # does not raise: the worker then re-raises the fit's error
     assert not snapshot.header().held
+
+
+class _ScriptedPlacement:
+    """Where a group's bundles are, as Ray would say after a node was lost: one answer per read."""
+
+    def __init__(self, nodes: list[str], answers: list[list[str | None]]) -> None:
+        self.bundles, self.nodes, self._answers = list(range(len(nodes))), list(nodes), answers
+
+    def nodes_now(self) -> list[str | None]:
+        return self._answers.pop(0) if len(self._answers) > 1 else self._answers[0]
+
+
+def _group_on(nodes: list[str], answers: list[list[str | None]]):
+    from ray_lightning.environment import assign_ranks
+    from ray_lightning.launch.worker_group import WorkerGroup
+
+    group = WorkerGroup(_ScriptedPlacement(nodes, answers), assign_ranks(nodes))
+    group.actors = [f"actor on {node}" for node in nodes]  # not Ray actors: ray.kill of them is suppressed
+    return group
+
+
+def test_an_elastic_group_goes_on_without_a_lost_nodes_workers_and_gives_ranks_again():
+    group = _group_on(["a", "b", "c"], [["a", None, "c"]])
+    kept = group._placed_again(["ref a", "ref b", "ref c"], wait_s=0, min_workers=2)
+    assert kept == ["ref a", "ref c"] and group.actors == ["actor on a", "actor on c"]
+    assert group.placement.bundles == [0, 2] and [r.global_rank for r in group.ranks] == [0, 1]
+    assert [r.node_rank for r in group.ranks] == [0, 1]
+
+
+def test_a_group_below_its_minimum_or_of_fixed_size_does_not_go_on_without_a_node():
+    assert _group_on(["a", "b", "c"], [["a", None, None]])._placed_again(["r"] * 3, 0, min_workers=2) is None
+    assert _group_on(["a", "b"], [["a", None]])._placed_again(["r"] * 2, 0, min_workers=None) is None
+
+
+def test_a_fixed_size_group_waits_until_ray_placed_the_lost_bundle_again_and_moves_its_worker_there():
+    # Rank 0's node is lost; Ray places its bundle on the spare node "c" at the third read.
+    group = _group_on(["a", "b"], [[None, "b"], [None, "b"], ["c", "b"]])
+    kept = group._placed_again(["ref 0", "ref 1"], wait_s=60, min_workers=None)
+    assert kept == ["ref 0", "ref 1"] and group.placement.nodes == ["c", "b"]
+    assert [(r.global_rank, r.node_rank) for r in group.ranks] == [(0, 0), (1, 1)]

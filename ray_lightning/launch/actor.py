@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,14 +99,20 @@ class RayWorker:
         """
         self.finish_call()
         self._weights = []
+        self._global_rank = context.rank.global_rank  # a group re-formed after a lost node gives ranks again
         snapshot.forget()  # a failed fit's state, shared (or not needed) before this call was sent
         call = WorkerCall(context, self._store, self.started)
         try:
             output = call.run(payload[0])
-        except BaseException:
-            # A restart may run its next call in this process (a peer's death broke this one): its clean-up
-            # is due first (finish_call, from reusable or execute).
+        except BaseException as error:
+            # Clean up now, not when a restart asks (reusable): gloo's transport thread spins on a connection
+            # whose peer is gone, a core per survivor, starving what the driver runs on this node meanwhile (the
+            # fetch of rank 0's files, a new worker's imports). The traceback's frames let go of the failed fit
+            # (its process group) first; the text of the traceback stays. What a restart goes on from is kept
+            # apart (home.snapshot).
             self._unfinished = call
+            traceback.clear_frames(error.__traceback__)
+            self.finish_call()
             raise
         if output is not None and isinstance(output.weights, list):
             # The weights stay here until the driver asks for them, a chunk at a time (weights_chunk).

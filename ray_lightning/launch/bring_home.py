@@ -78,18 +78,20 @@ class BringsHome:
             log.info("ray_lightning: copied %s from the workers' nodes to this machine", copied)
         return rank_zero.results
 
-    def _fetch_staged_files(self, area: files.StagingArea, call: DriverCall) -> None:
-        """After a failure: copy what rank 0 had written on its node (checkpoints, logs) to the driver."""
+    def _fetch_staged_files(self, area: files.StagingArea, call: DriverCall) -> bool:
+        """After a failure: copy what rank 0 had written on its node (checkpoints, logs) to the driver; whether
+        that could be done (not with its node gone)."""
         try:
             timeout_s = self._strategy.workers.timeouts.start_s
             written = files.fetch_after_failure(area, timeout_s, call.scope, call.files_home)
         except Exception as error:  # noqa: BLE001 - the node may be gone; the failure itself is what matters
             log.warning("ray_lightning: could not fetch the files rank 0 wrote before the failure: %s", error)
-            return
+            return False
         call.recovery.mirror(written)
         self.transferred_files = sorted(set(self.transferred_files) | set(written))
         if written:
             log.warning("ray_lightning: copied what rank 0 wrote before the failure: %s", ", ".join(written))
+        return True
 
 
 def weight_chunks(actors: list[Any], outputs: list[WorkerOutput | None], in_flight: int = 2) -> Iterator[Any]:

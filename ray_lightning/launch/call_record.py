@@ -116,14 +116,15 @@ def staging_area(nodes: Mapping[int, NodeInfo], settings: CallSettings) -> files
     return files.StagingArea.new(rank_zero_node)
 
 
-def stop_check(call: DriverCall, size: int) -> Callable[[], RayWorkerError | None]:
+def stop_check(call: DriverCall, size: int, spare: Callable[[], int]) -> Callable[[], RayWorkerError | None]:
     """What ends an attempt early, checked after each message of the workers: a preemption rank 0 checkpointed
-    for, or (elastic) room for more workers once a recovery checkpoint arrived."""
+    for, or (elastic) room for more workers once a recovery checkpoint arrived. ``spare``: the group's own bundles
+    that are placed and unused (a lost node's, placed again)."""
 
     def stop() -> RayWorkerError | None:
         error = call.recovery.stop_for_preemption()
         if error is None and call.growth is not None:
-            return call.growth.check(size, call.recovery.latest)
+            return call.growth.check(size, call.recovery.latest, spare)
         return error
 
     return stop

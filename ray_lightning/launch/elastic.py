@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ray_lightning.config.elastic import ElasticSettings
@@ -70,10 +71,12 @@ class Growth:
                 request_resources(bundles=[])
             self._asked = False
 
-    def check(self, size: int, checkpoint: Any) -> WorkersGrowError | None:
+    def check(self, size: int, checkpoint: Any, spare: Callable[[], int] = lambda: 0) -> WorkersGrowError | None:
         """After a message from the workers: the error that ends the attempt to grow from ``size`` workers, or None.
 
         ``checkpoint``: the newest recovery checkpoint (with ``epoch``, ``global_step`` and ``reason``), or None.
+        ``spare``: bundles the running group holds placed but unused (after a lost node, placed again by Ray),
+        room that a probe for a new placement group cannot see.
         """
         if size >= self.settings.max_workers or checkpoint is None or checkpoint is self._seen:
             return None
@@ -83,7 +86,8 @@ class Growth:
         if self._nothing_left(checkpoint) or time.monotonic() - self._checked_at < self.settings.grow_check_interval_s:
             return None
         self._checked_at = time.monotonic()
-        extra = free_room(self.request, self.settings.max_workers - size)
+        held = min(spare(), self.settings.max_workers - size)
+        extra = held + free_room(self.request, self.settings.max_workers - size - held)
         if not extra:
             return None
         return WorkersGrowError(

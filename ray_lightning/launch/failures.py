@@ -15,9 +15,11 @@ Decisions:
   not retried: it is almost always deterministic, and running it ``max_failures`` more times would
   only waste the cluster's time before failing the same way (Ray Train retries everything). Neither
   is a stuck rank (``WorkerHangError``) nor a cluster too small for the workers.
-* Only after a worker process died on a node that is still there does the restart keep the other
-  workers' processes (:meth:`~ray_lightning.launch.worker_group.WorkerGroup.salvage`): after a lost
-  or preempted node, or a death while starting, it starts a new group wherever the cluster can hold it.
+* After a worker process died, or a node was lost, the restart keeps the other workers' processes
+  (:meth:`~ray_lightning.launch.worker_group.WorkerGroup.salvage`: a lost node's workers start again where Ray
+  places their bundles anew, or an elastic fit goes on without them), and with them their state in memory: the
+  restart goes on from the step they reached. After a preempted node (rank 0 checkpointed for it), or a death while
+  starting, it starts a new group wherever the cluster can hold it.
 * A broken collective is recognised by its type: torch's ``DistError`` subclasses, and what the
   strategy names (``strategy.collective_errors``: Horovod's ``HorovodInternalError``). Gloo reports
   a lost peer only as a ``RuntimeError`` whose message says so: those messages are listed here, in
@@ -137,7 +139,7 @@ def decide(failure: Failure, restarts_done: int, max_failures: int) -> Decision:
         return Decision(restart=True)
     if failure.kind not in RESTARTABLE or restarts_done >= max_failures:
         return Decision(restart=False)
-    return Decision(restart=True, keep_processes=failure.kind is Kind.WORKER_DIED)
+    return Decision(restart=True, keep_processes=failure.kind in (Kind.WORKER_DIED, Kind.NODE_LOST))
 
 
 def _is_peer_loss(error: BaseException, collective_errors: tuple[type[BaseException], ...]) -> bool:

@@ -98,6 +98,9 @@ _FAILED_OUTPUT_WAIT_S = 3.0
 # After a worker died, how long a restart waits for the others to come out of the broken call (and
 # answer that they can run the next one) before it replaces them too.
 SALVAGE_WAIT_S = 5.0
+# After a lost node, how long a fixed-size fit's survivors wait for Ray to place its bundles again elsewhere before the
+# restart starts a new group instead (which waits for the cluster with placement_timeout_s, and starts every process).
+PLACED_AGAIN_WAIT_S = 30.0
 
 
 class RayLauncher(BringsHome, *_lightning.launcher_bases()):
@@ -226,8 +229,9 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
         assert failure is not None
         if not decision.keep_processes:
             attempt.group.shutdown()
-        if attempt.staging is not None:
-            self._fetch_staged_files(attempt.staging, call)
+        # Rank 0's files since its last recovery checkpoint, on a node that is gone, are lost: the restart goes back
+        # to that checkpoint, which the files here match (from the survivors' memory, the log would miss steps).
+        files_lost = attempt.staging is not None and not self._fetch_staged_files(attempt.staging, call)
         if not decision.restart:
             final = call.recovery.final_error(failure.error)
             raise final from failure.error.__cause__
@@ -235,11 +239,13 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
         if decision.keep_processes:
             # A worker process died: the others' processes go on where they can (launch.worker_group).
             try:
-                group = attempt.group.salvage(SALVAGE_WAIT_S)
+                elastic = self._strategy.workers.elastic if call.growth is not None else None
+                placed_wait_s = min(self._strategy.workers.timeouts.placement_s, PLACED_AGAIN_WAIT_S)
+                group = attempt.group.salvage(SALVAGE_WAIT_S, elastic and elastic.min_workers, placed_wait_s)
             except BaseException:
                 attempt.group.shutdown()
                 raise
-        survivors = group.survivors if group is not None else []
+        survivors = group.survivors if group is not None and not files_lost else []
         if group is None:
             group = self._acquire_group(call)
         # A replicated fit goes on from the survivors' state when they hold one (launch.memory).
@@ -307,7 +313,12 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
             contexts = self._contexts(group, infos, staging, settings, call)
             watchdog = Watchdog([r.global_rank for r in group.ranks], infos, timeouts.progress_s, timeouts.start_s)
             outputs = group.run(
-                call.payload, contexts, channel, watchdog, stop_check(call, len(group.ranks)), keeps_fit(call)
+                call.payload,
+                contexts,
+                channel,
+                watchdog,
+                stop_check(call, len(group.ranks), group.placement.spare_placed),
+                keeps_fit(call),
             )
             channel.run_remaining()
             wait_for_output(settings, [r.global_rank for r in group.ranks], _OUTPUT_WAIT_S)

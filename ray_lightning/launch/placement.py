@@ -65,6 +65,32 @@ class Placement:
             where.get(bundle) == node and node in alive for bundle, node in zip(self.bundles, self.nodes)
         )
 
+    def nodes_now(self) -> list[str | None]:
+        """Each worker's bundle's node now: None where the group is not placed or the node is not alive (a lost
+        node's bundles are placed again by Ray, elsewhere, where there is room; the group is placed once all are)."""
+        try:
+            table = placement_group_table(self.pg)
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        except Exception:  # noqa: BLE001 - a group Ray no longer knows is not placed
+            return [None] * len(self.bundles)
+        where = table.get("bundles_to_node_id") or {}
+        placed = table.get("state") == "CREATED"
+        now = [where.get(bundle) for bundle in self.bundles]
+        return [node if node in alive and (placed or node == was) else None for node, was in zip(now, self.nodes)]
+
+    def spare_placed(self) -> int:
+        """Bundles of this launch's own group that no worker uses and that are placed on alive nodes: room a group
+        that went on without a lost node's bundles has again once Ray placed them anew (the elastic growth's)."""
+        if not self.owned:
+            return 0
+        try:
+            table = placement_group_table(self.pg)
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        except Exception:  # noqa: BLE001 - a group Ray no longer knows holds no room
+            return 0
+        where = table.get("bundles_to_node_id") or {}
+        return sum(1 for bundle, node in where.items() if bundle not in self.bundles and node in alive)
+
     def release(self) -> None:
         """Give the reservation back, if it is this launch's own."""
         if self.owned:

@@ -10,6 +10,8 @@ expired. Startup failures have their own types: :class:`~ray_lightning.errors.Wo
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +36,10 @@ from ray_lightning.runtime import WorkerContext
 # rank to arrive: longer than the watchdog's startup bound, so a rank stuck before it (in init_hook)
 # is named by the watchdog instead of surfacing as its peers' rendezvous timeout.
 RENDEZVOUS_TIMEOUT_FACTOR = 2.0
+log = logging.getLogger(__name__)
+
+# How often a group that lost a node reads whether Ray placed its bundles again (salvage's placed_wait_s).
+PLACED_POLL_S = 0.5
 
 
 class WorkerGroup:
@@ -75,20 +81,26 @@ class WorkerGroup:
         options = self._request.actor_options()
         return ray.remote(RayWorker).options(**options, scheduling_strategy=strategy).remote(self.ranks[i].global_rank)
 
-    def salvage(self, wait_s: float) -> WorkerGroup | None:
-        """After a worker died in a call: this group with new workers for those that cannot go on.
+    def salvage(self, wait_s: float, min_workers: int | None = None, placed_wait_s: float = 0.0) -> WorkerGroup | None:
+        """After a worker or node was lost in a call: this group, with new workers for those that cannot go on.
 
         The workers that came out of the broken call (their collectives failed with the peer's death)
         and say they can run another (:meth:`RayWorker.reusable`, within ``wait_s``) are kept: no new
         process, no imports. The dead ones, those still inside the call after ``wait_s`` (stuck in a
         collective) and those that do not answer are replaced in their own bundles, where a new
-        process starts at once. None, with the group shut down, when a bundle moved or its node is gone
-        (the restart then starts a new group wherever the cluster can hold it).
+        process starts at once. A lost node's bundles are placed again by Ray where there is room: the group
+        waits up to ``placed_wait_s`` for that and starts their workers there; an elastic fit (``min_workers``)
+        does not wait, it goes on without the workers whose bundles are not placed, as long as ``min_workers``
+        are left. Ranks are given again from where the workers are. None, with the group shut down, when no
+        worker is left to keep or the bundles stay unplaced (the restart then starts a new group wherever the
+        cluster can hold it).
         """
         running, self._running = self._running, []
-        if not running or not self.placement.still_placed():
+        kept = self._placed_again(running, placed_wait_s if min_workers is None else 0.0, min_workers)
+        if not kept:
             self.shutdown()
             return None
+        running = kept
         replaced: set[int] = set()
         for timeout in (0, wait_s):  # the dead ones' processes start first, then the stuck ones'
             ended, _ = ray.wait(running, num_returns=len(running), timeout=timeout)
@@ -106,6 +118,30 @@ class WorkerGroup:
         self.survivors = [self.actors[i] for i in came_out if i not in replaced]
         self.infos = []  # asked again: the new actors' pids
         return self
+
+    def _placed_again(self, running: list[Any], wait_s: float, min_workers: int | None) -> list[Any] | None:
+        """The broken call's refs of the workers the group goes on with (see :meth:`salvage`), or None when it
+        cannot: updates the workers' nodes, drops an elastic group's workers whose bundles are gone, and gives the
+        ranks again."""
+        deadline = time.monotonic() + wait_s
+        now = self.placement.nodes_now()
+        if None in now and wait_s > 0:
+            lost = sum(node is None for node in now)
+            log.warning("ray_lightning: waiting up to %g s for Ray to place %d lost worker(s) again", wait_s, lost)
+        while None in now and time.monotonic() < deadline:
+            time.sleep(PLACED_POLL_S)  # Ray places a lost node's bundles again by itself; nothing tells when
+            now = self.placement.nodes_now()
+        keep = [i for i, node in enumerate(now) if node is not None]
+        if not keep or (len(keep) < len(now) and (min_workers is None or len(keep) < min_workers)):
+            return None
+        for i in set(range(len(now))) - set(keep):
+            with contextlib.suppress(Exception):
+                ray.kill(self.actors[i], no_restart=True)
+        self.actors = [self.actors[i] for i in keep]
+        self.placement.bundles = [self.placement.bundles[i] for i in keep]
+        self.placement.nodes = [node for node in now if node is not None]
+        self.ranks = assign_ranks(self.placement.nodes)
+        return [running[i] for i in keep]
 
     def _replace(self, i: int) -> None:
         """Stop actor ``i`` and start a new one for its rank in its bundle."""
