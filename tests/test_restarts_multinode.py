@@ -231,8 +231,11 @@ def test_an_elastic_fit_starts_on_two_grows_to_three_and_goes_on_with_two_after_
     assert trainer.world_size == 2 and trainer.global_step == 12  # 4 steps an epoch on 3 and on 2 workers
     assert not torch.equal(model.layer.weight, before)
     trained = _trained(seen, trainer.strategy.restarts)
-    pids = {a: {p.name for p in seen.glob("ids-*.jsonl") if f'"attempt": {a}' in p.read_text()} for a in (1, 2)}
-    assert len(pids[1]) == 3 and len(pids[2]) == 2 and pids[2] < pids[1], "no new process after the loss"
+    lines = {path.name: [json.loads(line) for line in path.read_text().splitlines()] for path in seen.glob("ids-*")}
+    pids = {a: {name for name, records in lines.items() if any(r["attempt"] == a for r in records)} for a in (1, 2)}
+    # The attempt after the loss runs in the survivors' processes; one still inside the broken step after 5 s is
+    # replaced (here the lost node's process can outlive its raylet for a while, holding its connections open).
+    assert len(pids[1]) == 3 and len(pids[2]) == 2 and pids[2] & pids[1], "a survivor's process went on"
     assert {r["world"] for r in trained if r["epoch"] == 0} == {2} and {r["world"] for r in trained} == {2, 3}
     for epoch in range(3):
         ids = sorted(i for r in trained if r["epoch"] == epoch for i in r["ids"])

@@ -237,7 +237,7 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
             raise final from failure.error.__cause__
         group = None
         if decision.keep_processes:
-            # A worker process died: the others' processes go on where they can (launch.worker_group).
+            # A worker died or a node was lost: the others' processes go on where they can (launch.worker_group).
             try:
                 elastic = self._strategy.workers.elastic if call.growth is not None else None
                 placed_wait_s = min(self._strategy.workers.timeouts.placement_s, PLACED_AGAIN_WAIT_S)

@@ -53,42 +53,33 @@ class Placement:
     nodes: list[str]
     owned: bool = field(default=True)
 
-    def still_placed(self) -> bool:
-        """Whether every bundle is still where it was placed, on a node that is alive."""
+    def _read(self) -> tuple[dict[int, str], bool, set[str]] | None:
+        """Where Ray has each bundle now, whether the whole group is placed, and the alive nodes (None: a group Ray
+        no longer knows)."""
         try:
             table = placement_group_table(self.pg)
             alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         except Exception:  # noqa: BLE001 - a group Ray no longer knows is not placed
-            return False
-        where = table.get("bundles_to_node_id") or {}
-        return table.get("state") == "CREATED" and all(
-            where.get(bundle) == node and node in alive for bundle, node in zip(self.bundles, self.nodes)
-        )
+            return None
+        return table.get("bundles_to_node_id") or {}, table.get("state") == "CREATED", alive
 
     def nodes_now(self) -> list[str | None]:
-        """Each worker's bundle's node now: None where the group is not placed or the node is not alive (a lost
-        node's bundles are placed again by Ray, elsewhere, where there is room; the group is placed once all are)."""
-        try:
-            table = placement_group_table(self.pg)
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        except Exception:  # noqa: BLE001 - a group Ray no longer knows is not placed
+        """Each worker's bundle's node now: None where the node is not alive, or the bundle moved and the group is not
+        placed yet (a lost node's bundles are placed again by Ray, elsewhere, where there is room)."""
+        read = self._read()
+        if read is None:
             return [None] * len(self.bundles)
-        where = table.get("bundles_to_node_id") or {}
-        placed = table.get("state") == "CREATED"
+        where, placed, alive = read
         now = [where.get(bundle) for bundle in self.bundles]
         return [node if node in alive and (placed or node == was) else None for node, was in zip(now, self.nodes)]
 
     def spare_placed(self) -> int:
         """Bundles of this launch's own group that no worker uses and that are placed on alive nodes: room a group
         that went on without a lost node's bundles has again once Ray placed them anew (the elastic growth's)."""
-        if not self.owned:
+        read = self._read() if self.owned else None
+        if read is None:
             return 0
-        try:
-            table = placement_group_table(self.pg)
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        except Exception:  # noqa: BLE001 - a group Ray no longer knows holds no room
-            return 0
-        where = table.get("bundles_to_node_id") or {}
+        where, _, alive = read
         return sum(1 for bundle, node in where.items() if bundle not in self.bundles and node in alive)
 
     def release(self) -> None:

@@ -32,12 +32,12 @@ from ray_lightning.launch.session import driver_node_id, ray_session
 from ray_lightning.launch.watchdog import Watchdog
 from ray_lightning.runtime import WorkerContext
 
+log = logging.getLogger(__name__)
+
 # The rendezvous (TCPStore, Horovod's Gloo) waits this many times worker_start_timeout_s for every
 # rank to arrive: longer than the watchdog's startup bound, so a rank stuck before it (in init_hook)
 # is named by the watchdog instead of surfacing as its peers' rendezvous timeout.
 RENDEZVOUS_TIMEOUT_FACTOR = 2.0
-log = logging.getLogger(__name__)
-
 # How often a group that lost a node reads whether Ray placed its bundles again (salvage's placed_wait_s).
 PLACED_POLL_S = 0.5
 
