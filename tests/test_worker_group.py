@@ -31,3 +31,24 @@ def test_a_worker_dying_while_starting_is_named_and_everything_is_released():
     wait_for(lambda: not alive_worker_actors(), 30, "the group's actors to stop")
     assert placement_group_table(placement.pg)["state"] == "REMOVED"
     group.shutdown()  # a second shutdown (Ctrl-C during clean-up) is harmless
+
+
+@ray.remote(num_cpus=0)
+def _peer_lost() -> None:
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:3504.")
+
+
+@ray.remote(num_cpus=0)
+def _raises_after(first: list) -> None:
+    ray.wait(first)  # the peer's broken collective reaches the driver first, as it does when luck goes that way
+    raise ValueError("rank one's own bug")
+
+
+def test_a_rank_s_own_exception_is_blamed_before_its_peer_s_broken_collective():
+    from ray_lightning.launch.poll import wait_for_outputs
+
+    peer = _peer_lost.remote()
+    own = _raises_after.remote([peer])
+    with pytest.raises(RayWorkerError) as caught:
+        wait_for_outputs([peer, own], [0, 1], [], channel=None)
+    assert caught.value.rank == 1 and "rank one's own bug" in str(caught.value)

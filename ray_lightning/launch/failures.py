@@ -142,6 +142,13 @@ def decide(failure: Failure, restarts_done: int, max_failures: int) -> Decision:
     return Decision(restart=True, keep_processes=failure.kind in (Kind.WORKER_DIED, Kind.NODE_LOST))
 
 
+def caused_by_peer_loss(error: BaseException | None, collective_errors: tuple[type[BaseException], ...] = ()) -> bool:
+    """Whether a worker's exception ``error`` (or one it was raised from) is a collective broken by a peer's loss."""
+    if error is None:
+        return False
+    return _is_peer_loss(error, collective_errors) or any(_is_peer_loss(c, collective_errors) for c in _causes(error))
+
+
 def _is_peer_loss(error: BaseException, collective_errors: tuple[type[BaseException], ...]) -> bool:
     if isinstance(error, (torch.distributed.DistError, *collective_errors)):
         return True

@@ -319,6 +319,7 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
                 watchdog,
                 stop_check(call, len(group.ranks), group.placement.spare_placed),
                 keeps_fit(call),
+                self._strategy.collective_errors,
             )
             channel.run_remaining()
             wait_for_output(settings, [r.global_rank for r in group.ranks], _OUTPUT_WAIT_S)

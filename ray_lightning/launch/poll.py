@@ -4,8 +4,10 @@
 channel has a call or progress report (:mod:`ray_lightning.channel`), or the watchdog's next bound
 passes (:mod:`.watchdog`: a stuck rank is raised with every rank's stack). The
 first failure is raised as a :class:`~ray_lightning.errors.RayWorkerError` naming the rank, its node
-and pid, with the worker's traceback; when a worker dies, its peers' collectives fail at about the
-same moment, so a death found within ``DEATH_GRACE_S`` of another worker's exception is blamed instead.
+and pid, with the worker's traceback. When a worker dies or its code raises, its peers' collectives fail
+at about the same moment (a rank that raised leaves its process group at once), and whichever error
+reaches the driver first is luck: so within ``DEATH_GRACE_S`` of an exception, a death found is blamed
+instead, and an exception that is not a broken collective is blamed before one that is.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from ray_lightning.errors import RayWorkerError, WorkerDiedError
 from ray_lightning.home.results import WorkerOutput
+from ray_lightning.launch.failures import caused_by_peer_loss
 from ray_lightning.launch.stacks import collect_stacks
 from ray_lightning.launch.watchdog import Watchdog
 
@@ -36,6 +39,7 @@ def wait_for_outputs(
     channel: DriverChannel | None,
     watchdog: Watchdog | None = None,
     stop: Callable[[], RayWorkerError | None] | None = None,
+    collective_errors: tuple[type[BaseException], ...] = (),
 ) -> list[WorkerOutput | None]:
     """Every worker's output in actor order, or the first failure raised with its rank.
 
@@ -43,6 +47,7 @@ def wait_for_outputs(
     send through ``channel`` run here as they arrive, and their progress goes to ``watchdog``,
     which raises when a rank stays in one place for longer than its bound. After each message of the
     channel, ``stop`` may give an error that ends the wait (a preemption rank 0 checkpointed for).
+    ``collective_errors``: what the strategy's collectives raise when a peer is gone, besides torch's.
     """
     pending = {ref: i for i, ref in enumerate(refs)}
     outputs: list[WorkerOutput | None] = [None] * len(refs)
@@ -67,7 +72,7 @@ def wait_for_outputs(
             except RayActorError as error:
                 raise worker_failure(ranks[i], _info(infos, i), error, died=True) from None
             except RayTaskError as error:
-                _raise_death_behind(pending, ranks, infos)
+                i, error = _root_cause(i, error, pending, ranks, infos, collective_errors)
                 raise worker_failure(ranks[i], _info(infos, i), error, died=False) from _cause(error)
     return outputs
 
@@ -91,17 +96,33 @@ def _check(watchdog: Watchdog | None, infos: Sequence[NodeInfo]) -> None:
         raise watchdog.hang_error(overdue, collect_stacks([(i.node_id, i.pid) for i in infos]))
 
 
-def _raise_death_behind(pending: dict[Any, int], ranks: Sequence[int], infos: Sequence[NodeInfo]) -> None:
-    """Wait at most ``DEATH_GRACE_S`` for the other workers; raise the death of one that died."""
+def _root_cause(
+    i: int,
+    error: RayTaskError,
+    pending: dict[Any, int],
+    ranks: Sequence[int],
+    infos: Sequence[NodeInfo],
+    collective_errors: tuple[type[BaseException], ...],
+) -> tuple[int, RayTaskError]:
+    """Actor ``i``'s exception, or the one behind it: waits at most ``DEATH_GRACE_S`` for the other workers,
+    raises the death of one that died, and prefers an exception that is not a broken collective."""
     done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=DEATH_GRACE_S)
+    raised: list[tuple[int, RayTaskError]] = []
     for ref in done:
         try:
             ray.get(ref)
-        except RayActorError as error:
-            i = pending[ref]
-            raise worker_failure(ranks[i], _info(infos, i), error, died=True) from None
-        except Exception:  # noqa: BLE001 - only deaths matter here
+        except RayActorError as death:
+            j = pending[ref]
+            raise worker_failure(ranks[j], _info(infos, j), death, died=True) from None
+        except RayTaskError as other:
+            raised.append((pending[ref], other))
+        except Exception:  # noqa: BLE001 - only deaths and exceptions matter here
             pass
+    if caused_by_peer_loss(_cause(error), collective_errors):
+        for j, other in raised:
+            if not caused_by_peer_loss(_cause(other), collective_errors):
+                return j, other
+    return i, error
 
 
 def _info(infos: Sequence[NodeInfo], i: int) -> NodeInfo | None:

@@ -214,6 +214,7 @@ class WorkerGroup:
         watchdog: Watchdog | None = None,
         stop: Callable[[], RayWorkerError | None] | None = None,
         keep_state: bool = False,
+        collective_errors: tuple[type[BaseException], ...] = (),
     ) -> list[WorkerOutput | None]:
         """Run the call on every worker; their outputs in actor order, or the first failure raised.
 
@@ -221,14 +222,16 @@ class WorkerGroup:
         driver may have them save its checkpoint meanwhile, :mod:`.after_fit`) instead of cleaning up now.
 
         ``watchdog`` gets the ranks' progress reports from ``channel`` and stops a call whose rank is stuck;
-        ``stop`` may end it after any message of the channel (:func:`~.poll.wait_for_outputs`).
+        ``stop`` may end it after any message of the channel (:func:`~.poll.wait_for_outputs`). ``collective_errors``:
+        what the strategy's collectives raise when a peer is gone (a rank's own exception is blamed before them).
         """
         self.calls += 1
         if channel is not None:
             channel.on_progress = watchdog.record if watchdog is not None else None
         refs = [actor.execute.remote([payload], ctx) for actor, ctx in zip(self.actors, contexts)]
         self._running = refs
-        outputs = wait_for_outputs(refs, [c.rank.global_rank for c in contexts], self.infos, channel, watchdog, stop)
+        ranks = [c.rank.global_rank for c in contexts]
+        outputs = wait_for_outputs(refs, ranks, self.infos, channel, watchdog, stop, collective_errors)
         self._running = []
         for actor in self.actors:
             # Clean up for the next call while the driver goes on; or, keeping the call's state, only wait at Ray's
