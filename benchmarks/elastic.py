@@ -129,6 +129,12 @@ class SpotPattern:
         self.events: list[dict[str, Any]] = []
         self.error: str | None = None
         self._offset, self._fraction = 0, 0.0
+        self.started = time.time()
+
+    @property
+    def fraction(self) -> float:
+        """Rank 0's progress as last read."""
+        return self._fraction
 
     def play(self, running: threading.Thread) -> None:
         """Until ``running`` (the measurement) ends; an error of the pattern is recorded, not raised."""
@@ -237,8 +243,11 @@ def _measure_one(
         if driver.is_alive():  # leaving early (SIGTERM): the driver's process group goes first
             _kill_drivers()
             driver.join(timeout=60)
-    if "error" in outcome:
-        raise outcome["error"]
+    if "error" in outcome:  # what the pattern did says where the driver got stuck
+        events = ", ".join(f"{e['event']} at {e['fraction']:.0%} ({e['t'] - pattern.started:.1f} s)"
+                           for e in pattern.events)  # fmt: skip
+        raise RuntimeError(f"{outcome['error']}\nthe spot pattern: {events or 'no event'}; rank 0's progress "
+                           f"{pattern.fraction:.0%}") from outcome["error"]  # fmt: skip
     result = outcome["result"]
     events = {e["event"]: e for e in pattern.events}
     result.update(events=pattern.events, pattern_error=pattern.error)

@@ -206,17 +206,20 @@ def test_logs_and_checkpoints_of_rank_zero_on_another_node_land_on_the_driver(tw
 
 
 class FailsInEpoch(BoringModel):
-    def __init__(self, epoch: int):
+    def __init__(self, epoch: int, dies: bool = False):
         super().__init__()
-        self.fail_epoch = epoch
+        self.fail_epoch, self.dies = epoch, dies
 
     def training_step(self, batch, batch_idx):
+        if self.current_epoch == self.fail_epoch and self.dies and self.global_rank == 0:
+            os._exit(1)
         if self.current_epoch == self.fail_epoch:
             raise RuntimeError("fails on purpose")
         return super().training_step(batch, batch_idx)
 
 
-def test_a_failed_fit_still_brings_rank_zeros_checkpoints_to_the_driver(two_node_cluster, tmp_path):
+@pytest.mark.parametrize("dies", [False, True], ids=["rank 0 raises: it collects its files", "rank 0 dies: a task"])
+def test_a_failed_fit_still_brings_rank_zeros_checkpoints_to_the_driver(two_node_cluster, tmp_path, dies):
     from ray_lightning import RayWorkerError
 
     checkpoint = ModelCheckpoint(dirpath="ckpt", save_top_k=-1)
@@ -224,8 +227,8 @@ def test_a_failed_fit_still_brings_rank_zeros_checkpoints_to_the_driver(two_node
     trainer = pl.Trainer(
         max_epochs=3, strategy=strategy, callbacks=[checkpoint], logger=False, enable_progress_bar=False
     )
-    with pytest.raises(RayWorkerError, match="fails on purpose"):
-        trainer.fit(FailsInEpoch(epoch=2))
+    with pytest.raises(RayWorkerError, match="rank 0 .*died" if dies else "fails on purpose"):
+        trainer.fit(FailsInEpoch(epoch=2, dies=dies))
 
     saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert saved == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]

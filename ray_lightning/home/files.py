@@ -328,14 +328,21 @@ def collect_and_remove(name: str, home: str | None = None) -> dict[str, bytes | 
     return files
 
 
-def fetch_after_failure(area: StagingArea, timeout_s: float, scope: WriteScope, home: str | None = None) -> list[str]:
+def fetch_after_failure(
+    area: StagingArea, timeout_s: float, scope: WriteScope, home: str | None = None, rank_zero: Any = None
+) -> list[str]:
     """After a failed call: bring what rank 0 staged in ``area`` to the driver; returns the paths written.
 
-    Runs as a 0-CPU task on that node, so it needs none of the resources the workers held.
+    ``rank_zero``: rank 0's actor, when its process came out of the call alive: it collects the files (it has
+    everything imported). Else a 0-CPU task on that node does, needing none of the resources the workers held; on a
+    loaded node its new process's imports (ray_lightning, Lightning) take a while at Ray's niceness.
     """
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    if rank_zero is not None:
+        ref = rank_zero.collect_staged.remote(area.name, home)
+    else:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    task = ray.remote(num_cpus=0, max_retries=0)(collect_and_remove)
-    on_node = NodeAffinitySchedulingStrategy(area.node_id, soft=False)
-    files = ray.get(task.options(scheduling_strategy=on_node).remote(area.name, home), timeout=timeout_s)
-    return write(files, scope)
+        task = ray.remote(num_cpus=0, max_retries=0)(collect_and_remove)
+        on_node = NodeAffinitySchedulingStrategy(area.node_id, soft=False)
+        ref = task.options(scheduling_strategy=on_node).remote(area.name, home)
+    return write(ray.get(ref, timeout=timeout_s), scope)

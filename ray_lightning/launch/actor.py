@@ -11,6 +11,7 @@ the same process (:mod:`.idle_pool`), unless code it imported changed (:meth:`Ra
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import time
@@ -23,7 +24,7 @@ import ray
 import torch
 
 from ray_lightning import namespaces
-from ray_lightning.home import snapshot
+from ray_lightning.home import files, snapshot
 from ray_lightning.home.results import WorkerOutput
 from ray_lightning.home.snapshot import SnapshotHeader
 from ray_lightning.launch import priority
@@ -54,6 +55,7 @@ class RayWorker:
         # Modification times of the code files imported by the last call (see `reusable`).
         self._code_files: dict[str, float] = {}
         self._unfinished: WorkerCall | None = None  # see finish_call
+        self._niceness: int | None = None  # the last call's (the driver's), for let_go
         self._weights: list[Any] = []  # chunks of the last call's trained weights, until the driver takes them
         # torch's generator as a new process has it (a fixed default seed), for every later call (finish_call).
         self._fresh_torch_random = torch.get_rng_state()
@@ -100,6 +102,7 @@ class RayWorker:
         self.finish_call()
         self._weights = []
         self._global_rank = context.rank.global_rank  # a group re-formed after a lost node gives ranks again
+        self._niceness = context.niceness
         snapshot.forget()  # a failed fit's state, shared (or not needed) before this call was sent
         call = WorkerCall(context, self._store, self.started)
         try:
@@ -123,6 +126,21 @@ class RayWorker:
         self._unfinished = call
         return output
 
+    def let_go(self) -> None:
+        """After a failed call, once :meth:`execute` has returned: free what the failed fit still held.
+
+        Its process group's connections stay open while anything references the group, and the fit's objects
+        (Trainer, DDP's reducer) are cycles that only a collection frees: one run inside ``execute`` finds the
+        failure's frames still alive. A peer still waiting in a collective on this rank (it had not failed with
+        it) then fails at once, instead of at the process group's timeout (30 minutes). At the call's niceness:
+        at Ray's, on a busy node, the collection takes seconds.
+        """
+        priority.hold(self._niceness)
+        try:
+            gc.collect()
+        finally:
+            priority.release()
+
     def snapshot_header(self) -> SnapshotHeader | None:
         """After a fit failed here: the step this process reached, and the state it holds (``home.snapshot``)."""
         return snapshot.header()
@@ -130,6 +148,11 @@ class RayWorker:
     def share_snapshot(self) -> list[ray.ObjectRef]:
         """The held state, serialized into this node's object store, for the restarted ranks: ``[reference]``."""
         return snapshot.share()
+
+    def collect_staged(self, name: str, home: str | None) -> dict[str, Any]:
+        """After a failed call on rank 0: the files it staged under ``name`` (:func:`~ray_lightning.home.files.
+        collect_and_remove`), taken by this process, which has everything imported, instead of a new one."""
+        return files.collect_and_remove(name, home)
 
     def weights_chunk(self, index: int) -> list[Any]:
         """Chunk ``index`` of the trained weights this worker holds for the driver (:mod:`ray_lightning.home.weights`).

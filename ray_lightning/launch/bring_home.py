@@ -21,7 +21,13 @@ from ray_lightning.launch.protocol import LaunchedStrategy
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
+    from ray_lightning.launch.worker_group import WorkerGroup
+
 log = logging.getLogger(__name__)
+
+# How long the driver waits, after a failure, for rank 0 to come out of the call (a peer's loss breaks its
+# collective about when the driver learns of it) to collect its files itself before a new process does.
+RANK_ZERO_WAIT_S = 5.0
 
 
 class BringsHome:
@@ -78,12 +84,14 @@ class BringsHome:
             log.info("ray_lightning: copied %s from the workers' nodes to this machine", copied)
         return rank_zero.results
 
-    def _fetch_staged_files(self, area: files.StagingArea, call: DriverCall) -> bool:
+    def _fetch_staged_files(self, area: files.StagingArea, call: DriverCall, group: WorkerGroup) -> bool:
         """After a failure: copy what rank 0 had written on its node (checkpoints, logs) to the driver; whether
-        that could be done (not with its node gone)."""
+        that could be done (not with its node gone). Rank 0's process collects them if it comes out of the failed
+        call alive; else a new process on its node does."""
         try:
             timeout_s = self._strategy.workers.timeouts.start_s
-            written = files.fetch_after_failure(area, timeout_s, call.scope, call.files_home)
+            rank_zero = group.came_out(0, RANK_ZERO_WAIT_S)
+            written = files.fetch_after_failure(area, timeout_s, call.scope, call.files_home, rank_zero)
         except Exception as error:  # noqa: BLE001 - the node may be gone; the failure itself is what matters
             log.warning("ray_lightning: could not fetch the files rank 0 wrote before the failure: %s", error)
             return False

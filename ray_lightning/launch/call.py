@@ -212,10 +212,12 @@ class WorkerCall:
         self._strategy = self._store = None
         os.environ.clear()
         os.environ.update(self._saved_environment)
-        priority.release()  # Ray's, while the process waits for the next call
         gc.collect()
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # a waiting worker should not hold cached GPU memory
+        # Ray's niceness, while the process waits for the next call: only now, as the clean-up above runs at the
+        # call's (at Ray's 15, on a busy node, it took seconds after a failed call before a restart could begin).
+        priority.release()
 
 
 def _add_recovery(trainer: pl.Trainer, context: WorkerContext, staging: str | None) -> None:

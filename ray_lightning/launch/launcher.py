@@ -227,11 +227,11 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
         """Raise the failure, or return the group the next attempt runs on."""
         failure = attempt.failure
         assert failure is not None
-        if not decision.keep_processes:
-            attempt.group.shutdown()
         # Rank 0's files since its last recovery checkpoint, on a node that is gone, are lost: the restart goes back
         # to that checkpoint, which the files here match (from the survivors' memory, the log would miss steps).
-        files_lost = attempt.staging is not None and not self._fetch_staged_files(attempt.staging, call)
+        files_lost = attempt.staging is not None and not self._fetch_staged_files(attempt.staging, call, attempt.group)
+        if not decision.keep_processes:
+            attempt.group.shutdown()
         if not decision.restart:
             final = call.recovery.final_error(failure.error)
             raise final from failure.error.__cause__

@@ -95,6 +95,7 @@ class WorkerGroup:
         worker is left to keep or the bundles stay unplaced (the restart then starts a new group wherever the
         cluster can hold it).
         """
+        self._let_go_ended()
         running, self._running = self._running, []
         kept = self._placed_again(running, placed_wait_s if min_workers is None else 0.0, min_workers)
         if not kept:
@@ -142,6 +143,23 @@ class WorkerGroup:
         self.placement.nodes = [node for node in now if node is not None]
         self.ranks = assign_ranks(self.placement.nodes)
         return [running[i] for i in keep]
+
+    def came_out(self, global_rank: int, wait_s: float) -> Any | None:
+        """After a failed call: the actor of ``global_rank`` if its process comes out of the call alive within
+        ``wait_s``, else None. The workers already out let go of the call first (:meth:`RayWorker.let_go`): one
+        still waiting in a collective on them then fails too."""
+        self._let_go_ended()
+        i = next((i for i, r in enumerate(self.ranks) if r.global_rank == global_rank), len(self._running))
+        if i >= len(self._running) or not ray.wait([self._running[i]], timeout=wait_s)[0] or _died(self._running[i]):
+            return None
+        return self.actors[i]
+
+    def _let_go_ended(self) -> None:
+        """Have the workers whose part of the failed call ended, alive, free what it held (RayWorker.let_go)."""
+        ended, _ = ray.wait(self._running, num_returns=len(self._running), timeout=0)
+        for ref in ended:
+            if not _died(ref):
+                self.actors[self._running.index(ref)].let_go.remote()
 
     def _replace(self, i: int) -> None:
         """Stop actor ``i`` and start a new one for its rank in its bundle."""
