@@ -75,6 +75,10 @@ class Kind(enum.Enum):
 RESIZES = frozenset({Kind.GROW})
 
 
+# Failures after which every worker's part of the call ends by itself (a rank's exception or death breaks the others'
+# collectives): the driver may wait for them to come out instead of stopping them.
+ENDS_ITSELF = frozenset({Kind.WORKER_DIED, Kind.NODE_LOST, Kind.NODE_PREEMPTED, Kind.PEER_LOST, Kind.USER_CODE})
+
 RESTARTABLE = frozenset(
     {Kind.WORKER_DIED, Kind.NODE_LOST, Kind.NODE_PREEMPTED, Kind.GOING_AWAY, Kind.DIED_STARTING, Kind.PEER_LOST}
 )

@@ -67,7 +67,7 @@ from ray_lightning.launch.contexts import (
     progress_interval,
 )
 from ray_lightning.launch.elastic import Growth
-from ray_lightning.launch.failures import Decision, classify, decide
+from ray_lightning.launch.failures import ENDS_ITSELF, Decision, classify, decide
 from ray_lightning.launch.payload import (
     check_checkpoint_exists,
     checkpoint_argument,
@@ -227,6 +227,8 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
         """Raise the failure, or return the group the next attempt runs on."""
         failure = attempt.failure
         assert failure is not None
+        if not decision.keep_processes and failure.kind not in ENDS_ITSELF:
+            attempt.group.shutdown()  # the workers are well (a drain, a hang): stopped, or they would train on
         # Rank 0's files since its last recovery checkpoint, on a node that is gone, are lost: the restart goes back
         # to that checkpoint, which the files here match (from the survivors' memory, the log would miss steps).
         files_lost = attempt.staging is not None and not self._fetch_staged_files(attempt.staging, call, attempt.group)
