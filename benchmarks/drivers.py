@@ -84,7 +84,7 @@ def _measurement(name: str, result_path: str, log_path: str, returncode: int | N
             return json.load(f)
     tail = log_tail(log_path)
     what = f"did not finish within {timeout:g} s" if returncode is None else f"exited with {returncode}"
-    crashed = returncode is not None and (returncode < 0 or _CHILD_KILLED in tail)
+    crashed = returncode is None or returncode < 0 or _CHILD_KILLED in tail
     raise (MeasurementCrashed if crashed else RuntimeError)(
         f"the {name} driver process {what}; end of {log_path}:\n{tail}"
     )
@@ -95,23 +95,22 @@ _CHILD_KILLED = "terminated with signal"
 
 
 class MeasurementCrashed(RuntimeError):
-    """A driver process, or a rank it spawned, was killed by a signal (SIGABRT, SIGSEGV): a crash, not an error of
-    the measured code's Python."""
+    """A driver process, or a rank it spawned, was killed by a signal (SIGABRT, SIGSEGV), or it did not finish within
+    its timeout (a hang): not an error of the measured code's Python."""
 
 
 def _measure_or_again(contender: str, repeat: int, scratch: str, logs: Path, run: Callable[[str, str], Any]) -> Any:
     """``run(result_path, log_path)``; once more after a crash, the first crash kept in the result.
 
     Why once: Lightning's ddp_spawn baseline has aborted in gloo's teardown ("terminate called without an active
-    exception", SIGABRT) in one of many CI runs; one such crash should cost a run its baseline no more than it
+    exception", SIGABRT) in one of many CI runs, and a Ray Train v2 trial of the Tune smoke stopped reporting for
+    minutes in one full suite (2026-11-29); one such crash or hang should cost a run its baseline no more than it
     would a user, who runs again. A contender that crashes twice, or fails otherwise, is a failed measurement."""
     result_path = os.path.join(scratch, f"{contender}-{repeat}.json")
     try:
         return run(result_path, str(logs / f"{contender}-{repeat}.log"))
     except MeasurementCrashed as crash:
-        print(
-            f"{crash}\nmeasuring {contender}, repeat {repeat + 1} again after that crash", file=sys.stderr, flush=True
-        )
+        print(f"{crash}\nmeasuring {contender}, repeat {repeat + 1} again after that", file=sys.stderr, flush=True)
         with contextlib.suppress(FileNotFoundError):
             os.remove(result_path)
         result = run(result_path, str(logs / f"{contender}-{repeat}-again.log"))

@@ -244,12 +244,12 @@ def markdown(report: dict[str, Any]) -> str:
 
 def failure_lines(document: dict[str, Any]) -> list[str]:
     """The end of every benchmark's markdown: the measurements that failed, and those measured again after a crash
-    (their first driver's crash is in the JSON, ``crashed_before``)."""
+    or hang (their first driver's is in the JSON, ``crashed_before``)."""
     crashed = [m for m in document["measurements"] if m.get("crashed_before")]
     lines: list[str] = []
     for entries, key, title in (
         (document["errors"], "error", "Failed measurements (the JSON has the end of each driver's log):"),
-        (crashed, "crashed_before", "Measured again after a crash (the JSON has the end of the crashed driver's log):"),
+        (crashed, "crashed_before", "Measured again after a crash or hang (the JSON has the end of the log):"),
     ):
         if entries:
             lines += ["", title]

@@ -13,7 +13,8 @@ from benchmarks.drivers import MeasurementCrashed, _measure_or_again, measure_on
 from benchmarks.report import failure_lines
 
 # A driver as the harness starts one: it writes its result where --result says. It counts its starts in a file and,
-# for the first CRASHES of them, dies as a crashed process does (SIGABRT), or, with FAIL set, raises.
+# for the first CRASHES of them, dies as a crashed process does (SIGABRT), for the first HANGS never finishes, or,
+# with FAIL set, raises.
 _DRIVER = """
 import argparse, json, os, signal, sys
 parser = argparse.ArgumentParser()
@@ -28,18 +29,20 @@ if os.environ.get("FAIL"):
     raise SystemExit("the measured code failed")
 if started <= int(os.environ["CRASHES"]):
     os.kill(os.getpid(), signal.SIGABRT)
+if started <= int(os.environ.get("HANGS", "0")):
+    signal.pause()  # a driver that never finishes (a contender's trial that stopped reporting)
 with open(args.result, "w") as f:
     json.dump({"contender": args.contender, "metrics": {"started": started}}, f)
 """
 
 
-def _measure(tmp_path, **env: str):
+def _measure(tmp_path, timeout_s: float = 60, **env: str):
     (tmp_path / "crashing_driver.py").write_text(textwrap.dedent(_DRIVER))
     (tmp_path / "logs").mkdir()
     env = {"PYTHONPATH": str(tmp_path), "CRASHES": "0", **env}
 
     def run(result_path: str, log_path: str):
-        return measure_once("ddp_spawn", "spec.json", result_path, log_path, env, 60, entry="crashing_driver")
+        return measure_once("ddp_spawn", "spec.json", result_path, log_path, env, timeout_s, entry="crashing_driver")
 
     return _measure_or_again("ddp_spawn", 0, str(tmp_path), tmp_path / "logs", run)
 
@@ -57,10 +60,17 @@ def test_a_crashed_measurement_is_measured_again_and_the_report_says_so(tmp_path
     document = {"errors": [], "measurements": [{**result, "repeat": 0}]}
     assert failure_lines(document) == [
         "",
-        "Measured again after a crash (the JSON has the end of the crashed driver's log):",
+        "Measured again after a crash or hang (the JSON has the end of the log):",
         "- ddp_spawn, repeat 1: the ddp_spawn driver process exited with -6; end of "
         f"{tmp_path / 'logs' / 'ddp_spawn-0.log'}:",
     ]
+
+
+def test_a_driver_that_does_not_finish_is_measured_again(tmp_path):
+    result = _measure(tmp_path, timeout_s=10, HANGS="1")
+
+    assert result["metrics"] == {"started": 2}
+    assert "did not finish within 10 s" in result["crashed_before"]
 
 
 def test_a_second_crash_is_a_failed_measurement(tmp_path):
