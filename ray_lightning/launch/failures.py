@@ -29,7 +29,7 @@ Decisions:
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -130,7 +130,7 @@ def classify(
     elif isinstance(error, WorkerStartupError):
         kind = Kind.DIED_STARTING
     elif isinstance(error, RayWorkerError):
-        lost = any(_is_peer_loss(cause, collective_errors) for cause in _causes(error))
+        lost = caused_by_peer_loss(error.__cause__, collective_errors)
         kind = Kind.PEER_LOST if lost else Kind.USER_CODE
     else:
         kind = Kind.OTHER
@@ -147,10 +147,15 @@ def decide(failure: Failure, restarts_done: int, max_failures: int) -> Decision:
 
 
 def caused_by_peer_loss(error: BaseException | None, collective_errors: tuple[type[BaseException], ...] = ()) -> bool:
-    """Whether a worker's exception ``error`` (or one it was raised from) is a collective broken by a peer's loss."""
-    if error is None:
-        return False
-    return _is_peer_loss(error, collective_errors) or any(_is_peer_loss(c, collective_errors) for c in _causes(error))
+    """Whether a worker's exception ``error``, or one behind it (what it was raised from, or during), is a collective
+    broken by a peer's loss."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if _is_peer_loss(error, collective_errors):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _is_peer_loss(error: BaseException, collective_errors: tuple[type[BaseException], ...]) -> bool:
@@ -158,13 +163,3 @@ def _is_peer_loss(error: BaseException, collective_errors: tuple[type[BaseExcept
         return True
     text = str(error).lower()
     return isinstance(error, RuntimeError) and any(message in text for message in PEER_LOST_MESSAGES)
-
-
-def _causes(error: BaseException) -> Iterable[BaseException]:
-    """The exceptions behind ``error`` (the worker's own, and what it was raised from)."""
-    seen: set[int] = set()
-    cause = error.__cause__
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        yield cause
-        cause = cause.__cause__ or cause.__context__

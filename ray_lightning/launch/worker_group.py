@@ -52,6 +52,7 @@ class WorkerGroup:
         self.infos: list[NodeInfo] = []
         self.calls = 0  # calls run so far: more than 0 when the group is reused
         self._running: list[Any] = []  # the running call's refs, actor by actor
+        self._let_go: set[Any] = set()  # the failed call's refs whose workers were asked to let go of it
         self.survivors: list[Any] = []  # after salvage: the actors whose processes came out of the broken call
         self._request: WorkerResources | None = None
         self._channel: DriverChannel | None = None
@@ -155,11 +156,12 @@ class WorkerGroup:
         return self.actors[i]
 
     def _let_go_ended(self) -> None:
-        """Have the workers whose part of the failed call ended, alive, free what it held (RayWorker.let_go)."""
+        """Have the workers whose part of the failed call ended, alive, free what it held (RayWorker.let_go), once."""
         ended, _ = ray.wait(self._running, num_returns=len(self._running), timeout=0)
-        for ref in ended:
-            if not _died(ref):
-                self.actors[self._running.index(ref)].let_go.remote()
+        for i, ref in enumerate(self._running):
+            if ref in ended and ref not in self._let_go and not _died(ref):
+                self._let_go.add(ref)
+                self.actors[i].let_go.remote()
 
     def _replace(self, i: int) -> None:
         """Stop actor ``i`` and start a new one for its rank in its bundle."""
@@ -247,7 +249,7 @@ class WorkerGroup:
         if channel is not None:
             channel.on_progress = watchdog.record if watchdog is not None else None
         refs = [actor.execute.remote([payload], ctx) for actor, ctx in zip(self.actors, contexts)]
-        self._running = refs
+        self._running, self._let_go = refs, set()
         ranks = [c.rank.global_rank for c in contexts]
         outputs = wait_for_outputs(refs, ranks, self.infos, channel, watchdog, stop, collective_errors)
         self._running = []
