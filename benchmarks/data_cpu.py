@@ -92,12 +92,15 @@ def cpu_breakdown(snapshots: list[dict[str, Any]], ranks: set[int], samples: int
     first, last = snapshots
     wall = last["at"] - first["at"]
     groups: dict[str, float] = dict.fromkeys(CPU_GROUPS, 0.0)
+    seen: set[str] = set()
     ended = sorted(set(first["processes"]) - set(last["processes"]))
     for pid, info in last["processes"].items():
         before = first["processes"].get(pid)
         # A process that started in the window counts whole; an idle Ray worker by what it ran before.
         named = info if info["title"] not in ("ray::IDLE", _ENDED) or before is None else before
-        groups[_group(pid, named, ranks)] += info["cpu_s"] - (before["cpu_s"] if before else 0.0)
+        group = _group(pid, named, ranks)
+        seen.add(group)
+        groups[group] += info["cpu_s"] - (before["cpu_s"] if before else 0.0)
         # Its children that ended in the window: their CPU since the first snapshot, to the children's groups.
         reaped = info["children_cpu_s"] - (before["children_cpu_s"] if before else 0.0)
         children = [c for c in ended if first["processes"][c]["ppid"] == int(pid)]
@@ -116,6 +119,9 @@ def cpu_breakdown(snapshots: list[dict[str, Any]], ranks: set[int], samples: int
         # machine (~0.1 when the benchmark has the machine to itself).
         "other_cores": (last["machine_busy_s"] - first["machine_busy_s"] - sum(groups.values())) / wall,
         "cpus": last["cpus"],
+        # The groups that had a process at the window's end: one that used no CPU the clock could see (10 ms ticks)
+        # is measured at 0, one absent is not measured.
+        "found": sorted(seen),
         "ended_in_window": ended,
     }
 
@@ -131,6 +137,11 @@ def row_bytes(first_batch: dict[str, Any]) -> int:
 
 def coordinating_s_per_gb(cpu: dict[str, Any], bytes_per_row: int) -> float | None:
     """CPU seconds of the process that runs the pipeline and hands out its blocks (RayDataModule's coordinator,
-    Ray Data's SplitCoordinator under Ray Train), per GB of rows the workers trained on in the window."""
-    ms = cpu["cpu_ms_per_sample"]["coordinator"] + cpu["cpu_ms_per_sample"]["split_coordinator"]
-    return ms * 1e6 / bytes_per_row if ms and bytes_per_row else None
+    Ray Data's SplitCoordinator under Ray Train), per GB of rows the workers trained on in the window.
+
+    None when neither process was there; 0.0 when one was and used less than the clock's tick in the window (a
+    ``--tiny`` pipeline can be done making its blocks before the window starts)."""
+    coordinating = ("coordinator", "split_coordinator")
+    if not bytes_per_row or not any(g in cpu.get("found", coordinating) for g in coordinating):
+        return None
+    return sum(cpu["cpu_ms_per_sample"][g] for g in coordinating) * 1e6 / bytes_per_row

@@ -72,8 +72,12 @@ def test_data_benchmark_measures_every_contender(tmp_path):
         assert set(run["ranks"]) == {str(r) for r in range(spec["workers"])}, name
         assert all(first == batch for first in run["first_batch"].values()), (name, run["first_batch"])
         assert run["cpu"] is not None, name
-    # Ray Train's coordinating process (its SplitCoordinator) is found and measured per GB.
-    assert table["ray_train"]["coordinating_s_per_gb"]["median"] > 0, table["ray_train"]["cpu_ms_per_sample"]
+    # Ray Train's coordinating process (its SplitCoordinator) and ours are found and measured per GB (at tiny sizes
+    # either can use less CPU in the window than the clock's 10 ms tick: measured as 0).
+    for name, group in (("ray_train", "split_coordinator"), ("ray_data", "coordinator")):
+        run = next(r for r in document["measurements"] if r["contender"] == name)
+        assert group in run["cpu"]["found"], (name, run["cpu"])
+        assert table[name]["coordinating_s_per_gb"]["median"] >= 0, (name, table[name]["cpu_ms_per_sample"])
     # The goals are judged where their contenders ran (not the restart spread: one restart ran), and are in the tables.
     judged = {g["goal"].split(" ")[0]: g["status"] for g in document["goals"] if g["contender"] == "ray_data"}
     assert judged["samples/s"] in ("met", "missed") and judged["on_fit_start"] in ("met", "missed"), document["goals"]
