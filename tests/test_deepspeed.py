@@ -15,8 +15,7 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from ray_lightning import RayDeepSpeedStrategy, RayStrategy
-from ray_lightning.tune import TuneReportCallback, TuneReportCheckpointCallback
-from tests.conftest import alive_worker_actors
+from ray_lightning.tune import TuneReportCheckpointCallback
 from tests.sharded_models import MLP
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (python3 dev.py test installs it)")
@@ -130,10 +129,65 @@ def test_without_deepspeed_the_error_says_what_to_install(monkeypatch):
         RayDeepSpeedStrategy(num_workers=2)
 
 
-@pytest.mark.usefixtures("no_waiting_workers")
-def test_tune_checkpoints_are_refused_before_any_worker_starts():
-    callbacks = [TuneReportCallback("val_loss"), TuneReportCheckpointCallback("val_loss")]
-    trainer = _trainer(RayDeepSpeedStrategy(num_workers=2), logger=False, callbacks=callbacks)
-    with pytest.raises(TypeError, match="TuneReportCheckpointCallback sends Tune one checkpoint file"):
-        trainer.fit(MLP())
-    assert not alive_worker_actors()
+def train_deepspeed_with_checkpoints(config):
+    class Trained(pl.Callback):
+        """Rank 0 notes each epoch it trains and the learning rate it trains with."""
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.is_global_zero:
+                with open(config["epochs_file"], "a") as f:
+                    f.write(f"{trainer.current_epoch} {trainer.optimizers[0].param_groups[0]['lr']}\n")
+
+    callbacks = [TuneReportCheckpointCallback({"loss": "val_loss"}, filename="model.ckpt"), Trained()]
+    strategy = RayDeepSpeedStrategy(num_workers=2, stage=2)
+    _trainer(strategy, max_epochs=config["epochs"], logger=False, enable_checkpointing=False, callbacks=callbacks).fit(
+        MLP(lr=config["lr"])
+    )
+
+
+def test_a_tune_checkpoint_is_every_ranks_part_in_tunes_folder_and_a_restored_trial_keeps_its_own_rate(tmp_path):
+    from ray import tune
+
+    from ray_lightning.tune import MARKER_FILE, get_tune_resources
+
+    first, second = tmp_path / "first-epochs", tmp_path / "second-epochs"
+    analysis = tune.run(
+        train_deepspeed_with_checkpoints,
+        config={"epochs_file": str(first), "epochs": 2, "lr": 0.05},
+        resources_per_trial=get_tune_resources(num_workers=2),
+        storage_path=str(tmp_path / "tune"),
+        verbose=0,
+    )
+    (trial,) = analysis.trials
+    assert trial.status == "TERMINATED", trial.error_file
+    assert trial.last_result["training_iteration"] == 2
+    assert [line.split()[0] for line in first.read_text().splitlines()] == ["0", "1"]
+    # DeepSpeed's directory, each rank's ZeRO partition written by that rank into Tune's folder: nothing gathered.
+    assert sorted(os.listdir(trial.checkpoint.path)) == sorted([MARKER_FILE, "model.ckpt"])
+    parts = os.listdir(os.path.join(trial.checkpoint.path, "model.ckpt", "checkpoint"))
+    assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= set(parts), parts
+
+    # Tune restores a trial from it with another learning rate (what PBT's exploit does): the fit resumes after
+    # the second epoch and trains with the new trial's rate, not the checkpoint's.
+    again = tune.run(
+        train_deepspeed_with_checkpoints,
+        config={"epochs_file": str(second), "epochs": 3, "lr": 0.01},
+        resources_per_trial=get_tune_resources(num_workers=2),
+        storage_path=str(tmp_path / "again"),
+        restore=trial.checkpoint.path,
+        verbose=0,
+    )
+    (restored,) = again.trials
+    assert restored.status == "TERMINATED", restored.error_file
+    assert second.read_text().split() == ["2", "0.01"]
+
+
+def test_tune_checkpoints_need_a_storage_path_every_node_mounts(monkeypatch):
+    from ray_lightning import _ray
+    from ray_lightning.tune import trial
+
+    monkeypatch.setattr(_ray.tune, "trial_storage_url", lambda: ("s3://bucket/run/trial", ""))
+    with pytest.raises(ValueError, match="RayDeepSpeedStrategy: its checkpoint is a directory every rank writes"):
+        trial.check_every_node_mounts_storage("RayDeepSpeedStrategy")
+    monkeypatch.setattr(_ray.tune, "trial_storage_url", lambda: ("/mnt/shared/run/trial", ""))
+    trial.check_every_node_mounts_storage("RayDeepSpeedStrategy")  # a directory: the ranks write there

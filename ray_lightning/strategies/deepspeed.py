@@ -31,6 +31,7 @@ Decisions:
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -158,15 +159,25 @@ class RayDeepSpeedStrategy(RayWorkersMixin, RankPartsMixin):
         )
         return kwargs
 
+    # Its checkpoint is a directory every rank writes its part of with local file I/O: a Tune trial's
+    # (TuneReportCheckpointCallback) is written by the ranks into Tune's folder, which must be a directory every
+    # node mounts; it is never gathered into one file.
+    checkpoint_is_rank_directory = True
+
+    @staticmethod
+    def sees_checkpoint(location: str, world_size: int) -> bool:
+        """Whether this process sees DeepSpeed's checkpoint directory at ``location`` whole: the tag its ``latest``
+        names, with each of ``world_size`` ranks' ZeRO partition in it (or, without ZeRO, the model states)."""
+        try:
+            with open(os.path.join(location, "latest")) as f:
+                names = set(os.listdir(os.path.join(location, f.read().strip())))
+        except OSError:
+            return False
+        ranks = {r for r in range(world_size) if any(n.startswith(f"zero_pp_rank_{r}_") for n in names)}
+        return len(ranks) == world_size or (not ranks and "mp_rank_00_model_states.pt" in names)
+
     @override
     def check_trainer(self, trainer: pl.Trainer) -> None:
-        for callback in trainer.callbacks:
-            if getattr(callback, "sends_one_checkpoint_file", False):
-                raise TypeError(
-                    f"{type(callback).__name__} sends Tune one checkpoint file, but DeepSpeed writes a checkpoint "
-                    "directory with a part from every rank. Use TuneReportCallback with a ModelCheckpoint, or "
-                    "RayFSDPStrategy, whose ranks write their Tune checkpoints into Tune's folder themselves."
-                )
         self.decide_full_weights(trainer)
 
     @property

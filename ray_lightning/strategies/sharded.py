@@ -119,9 +119,18 @@ class RankPartsMixin:
     def _local_checkpoint_path(self, filepath: Any) -> Path:
         """Where this rank writes or removes its part of the checkpoint rank 0 names ``filepath``."""
         worker = self._worker
-        if worker is None:
+        if worker is None or getattr(self, "_in_place", False):
             return Path(filepath)
         return Path(local_path(os.fspath(filepath), worker.rank_zero_staging, worker.staging_name))
+
+    def save_checkpoint_in_place(self, trainer: pl.Trainer, location: str) -> None:
+        """In every rank: ``trainer.save_checkpoint(location)`` with every part at ``location`` itself, not staged
+        on its machine: for a folder every rank's machine mounts (a Tune trial's, which Tune requires)."""
+        self._in_place = True
+        try:
+            trainer.save_checkpoint(location)
+        finally:
+            self._in_place = False
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

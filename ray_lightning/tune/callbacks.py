@@ -253,15 +253,13 @@ class TuneReportCheckpointCallback(TuneReportCallback):
         # The checkpoint Tune restored this trial with, when every worker reads it in place (the launcher).
         self.checkpoint_read_in_place: str | None = None
 
-    # Strategies whose own checkpoints are written by every rank (DeepSpeed's directories) refuse this
-    # callback before launch: it sends Tune one file.
-    sends_one_checkpoint_file = True
-
     @contextlib.contextmanager
     @override
     def around_driver_call(self, trainer: pl.Trainer) -> Iterator[str | None]:
         """Also yields the file of the checkpoint Tune restored this trial with, in the trial's first fit."""
         trial.give_stopped_trials_time_to_end()
+        if _rank_directory(trainer):
+            trial.check_every_node_mounts_storage(type(trainer.strategy).__name__)
         self._in_storage = trial.ranks_write_to_tune_storage()
         self.checkpoint_read_in_place = None
         fitting = trainer.state.fn == "fit"
@@ -356,11 +354,22 @@ class TuneReportCheckpointCallback(TuneReportCallback):
         folder = ask_driver(trial.next_checkpoint_folder) if rank_zero else None
         if trainer.world_size > 1:
             folder = trainer.strategy.broadcast(folder, src=0)
-        location = write_checkpoint(trainer, storage.join(folder, self._filename), None)
-        storage.uploads().wait()  # every rank's part is written (rank 0's also waits for the others' shards)
-        seen = ask_driver(trial.sees, location, _sharded(trainer)) if rank_zero else False
+        if _rank_directory(trainer):
+            # DeepSpeed's: every rank writes its part of the directory, with local file I/O, into Tune's folder.
+            location = storage.join(folder, self._filename)
+            trainer.strategy.save_checkpoint_in_place(trainer, location)
+            sees = functools.partial(type(trainer.strategy).sees_checkpoint, location, trainer.world_size)
+        else:
+            location = write_checkpoint(trainer, storage.join(folder, self._filename), None)
+            storage.uploads().wait()  # every rank's part is written (rank 0's also waits for the others' shards)
+            sees = functools.partial(trial.sees, location, _sharded(trainer))
+        seen = ask_driver(sees) if rank_zero else False
         if trainer.world_size > 1:
             seen = trainer.strategy.broadcast(seen, src=0)
+        if not seen and _rank_directory(trainer):
+            raise RuntimeError(f"TuneReportCheckpointCallback: the trial's process does not see the whole checkpoint "
+                               f"the ranks wrote to {location}: Tune's storage_path must be a directory every node "
+                               "mounts (each rank writes its part of it with local file I/O).")  # fmt: skip
         if not seen:
             self._in_storage = False
             if rank_zero:
@@ -373,6 +382,11 @@ class TuneReportCheckpointCallback(TuneReportCallback):
             return False
         self._send(trainer, metrics, (self._filename, None))
         return True
+
+
+def _rank_directory(trainer: pl.Trainer) -> bool:
+    """Whether the strategy's checkpoint is a directory every rank writes its part of with local file I/O."""
+    return getattr(trainer.strategy, "checkpoint_is_rank_directory", False)
 
 
 def _sharded(trainer: pl.Trainer) -> bool:

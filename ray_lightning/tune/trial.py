@@ -66,6 +66,20 @@ def ranks_write_to_tune_storage() -> bool:
     return url is not None
 
 
+def check_every_node_mounts_storage(strategy: str) -> None:
+    """On the trial's process, before launch: a strategy whose checkpoint is a directory every rank writes its part
+    of with local file I/O (DeepSpeed's) reports checkpoints only into a Tune storage_path every node mounts."""
+    url, why = _ray.tune.trial_storage_url()
+    if why == "not in a Tune trial" or (url is not None and is_local(url)):
+        return
+    raise ValueError(
+        f"TuneReportCheckpointCallback with {strategy}: its checkpoint is a directory every rank writes its part of "
+        "with local file I/O, so Tune's storage_path must be a directory every node mounts; "
+        f"{f'{url} is not one' if url is not None else why}. Give tune.RunConfig(storage_path=...) such a directory, "
+        "or report metrics only (TuneReportCallback) and keep checkpoints with ModelCheckpoint."
+    )
+
+
 # Per Tune function run (a thread of the trial's process): whether its Fabric rank 0 copies checkpoints into Tune's
 # storage itself. Decided at its first report (a probe written and looked for), not again at every report.
 _rank_zero_copies: weakref.WeakKeyDictionary[threading.Thread, bool] = weakref.WeakKeyDictionary()
@@ -145,7 +159,7 @@ def checkpoint_file(directory: str) -> str | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     path = os.path.join(directory, filename)
-    return path if os.path.isfile(path) else None
+    return path if os.path.exists(path) else None  # a file, or a directory every rank wrote a part of
 
 
 # The Tune function runs that Tune stopped during a ray_lightning call: they end when the call returns.
