@@ -18,22 +18,9 @@ from torch import nn
 from ray_lightning import RayStrategy
 from ray_lightning.data import RayDataModule
 from tests.conftest import alive_worker_actors
+from tests.data_functions import features, stamped
 
 pytestmark = pytest.mark.usefixtures("ray_local")
-
-
-def features(batch: dict) -> dict:
-    """The preprocessing: two features per row from its id (runs as Ray Data tasks)."""
-    ids = batch["id"].astype(np.float32)
-    batch["x"] = np.stack([ids / 100.0, (ids % 7) / 7.0], axis=1)
-    batch["node"] = np.array([_node_id()] * len(ids))
-    return batch
-
-
-def _node_id() -> str:
-    import ray
-
-    return ray.get_runtime_context().get_node_id()
 
 
 def dataset(rows: int, blocks: int = 5, preprocess: bool = False):
@@ -229,7 +216,7 @@ def test_preprocessing_runs_on_a_node_without_training_workers(tmp_path):
     from tests.conftest import connected_cluster, session_pythonpath
 
     # The workers need "trainer" resources, which only one node has; its 2 CPUs are all theirs. Ray Data's
-    # tasks (and the coordinator, which unpickles the dataset) import `features` from this module: the job ships the
+    # tasks (and the coordinator, which unpickles the dataset) import `features` from tests/: the job ships the
     # checkout, as a user's job ships its code (runtime_env), since Ray pickles module functions by reference.
     nodes = ({"num_cpus": 2, "resources": {"trainer": 2}}, {"num_cpus": 2})
     with connected_cluster(*nodes, runtime_env={"env_vars": {"PYTHONPATH": session_pythonpath()}}):
@@ -347,18 +334,6 @@ def test_the_ray_data_example_trains_and_reports_its_metrics(capsys):
 
 
 # -- The coordinator hands out metadata; the ranks read their own blocks ---------------------------------------
-
-
-def stamped(batch: dict, out: str, pause_s: float = 0.0) -> dict:
-    """The preprocessing of the tests below: ``features``, and a line per block in ``<out>/blocks.jsonl`` (its first
-    id, rows, and when it was done). ``pause_s``: work that makes a block take that long."""
-
-    if pause_s:
-        time.sleep(pause_s)
-    batch = features(batch)
-    with open(os.path.join(out, "blocks.jsonl"), "a") as f:
-        f.write(json.dumps({"first": int(batch["id"][0]), "rows": len(batch["id"]), "at": time.time()}) + "\n")
-    return batch
 
 
 def _stamped_dataset(rows: int, blocks: int, out, pause_s: float = 0.0):
