@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import sys
 
 import pytest
@@ -166,6 +167,14 @@ def test_a_tune_checkpoint_is_every_ranks_part_in_tunes_folder_and_a_restored_tr
     assert sorted(os.listdir(trial.checkpoint.path)) == sorted([MARKER_FILE, "model.ckpt"])
     parts = os.listdir(os.path.join(trial.checkpoint.path, "model.ckpt", "checkpoint"))
     assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= set(parts), parts
+    # The trial process's check that it sees every rank's part: what a rank whose machine does not mount Tune's
+    # storage leaves is a directory without its partition.
+    partial = tmp_path / "partial"
+    shutil.copytree(os.path.join(trial.checkpoint.path, "model.ckpt"), partial)
+    assert RayDeepSpeedStrategy.sees_checkpoint(str(partial), 2)
+    (partial / "checkpoint" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    assert not RayDeepSpeedStrategy.sees_checkpoint(str(partial), 2)
+    assert not RayDeepSpeedStrategy.sees_checkpoint(str(tmp_path / "missing"), 2)
 
     # Tune restores a trial from it with another learning rate (what PBT's exploit does): the fit resumes after
     # the second epoch and trains with the new trial's rate, not the checkpoint's.
