@@ -153,6 +153,20 @@ class Recorder(pl.Callback):
         )
 
 
+class EpochsTrained(pl.Callback):
+    """Rank 0 appends a line to ``path`` for each epoch it trains: the epoch and, with ``lr``, the learning rate of
+    its first param group (a restored Tune trial's tests: which epochs ran again, with which rate)."""
+
+    def __init__(self, path, lr: bool = False) -> None:
+        self.path, self.lr = str(path), lr
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            rate = f" {trainer.optimizers[0].param_groups[0]['lr']}" if self.lr else ""
+            with open(self.path, "a") as f:
+                f.write(f"{trainer.current_epoch}{rate}\n")
+
+
 def read_records(directory, name: str, key: str) -> list[dict]:
     """The records of all ranks, ordered by global rank."""
     import json

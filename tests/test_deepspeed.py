@@ -17,6 +17,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 
 from ray_lightning import RayDeepSpeedStrategy, RayStrategy
 from ray_lightning.tune import TuneReportCheckpointCallback
+from tests.models import EpochsTrained
 from tests.sharded_models import MLP
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (python3 dev.py test installs it)")
@@ -131,15 +132,8 @@ def test_without_deepspeed_the_error_says_what_to_install(monkeypatch):
 
 
 def train_deepspeed_with_checkpoints(config):
-    class Trained(pl.Callback):
-        """Rank 0 notes each epoch it trains and the learning rate it trains with."""
-
-        def on_train_epoch_start(self, trainer, pl_module):
-            if trainer.is_global_zero:
-                with open(config["epochs_file"], "a") as f:
-                    f.write(f"{trainer.current_epoch} {trainer.optimizers[0].param_groups[0]['lr']}\n")
-
-    callbacks = [TuneReportCheckpointCallback({"loss": "val_loss"}, filename="model.ckpt"), Trained()]
+    trained = EpochsTrained(config["epochs_file"], lr=True)
+    callbacks = [TuneReportCheckpointCallback({"loss": "val_loss"}, filename="model.ckpt"), trained]
     strategy = RayDeepSpeedStrategy(num_workers=2, stage=2)
     _trainer(strategy, max_epochs=config["epochs"], logger=False, enable_checkpointing=False, callbacks=callbacks).fit(
         MLP(lr=config["lr"])
@@ -191,12 +185,22 @@ def test_a_tune_checkpoint_is_every_ranks_part_in_tunes_folder_and_a_restored_tr
     assert second.read_text().split() == ["2", "0.01"]
 
 
-def test_tune_checkpoints_need_a_storage_path_every_node_mounts(monkeypatch):
-    from ray_lightning import _ray
-    from ray_lightning.tune import trial
+def test_tune_checkpoints_into_a_bucket_are_refused_before_any_worker_starts(bucket, s3_endpoint, tmp_path):
+    from ray import tune
 
-    monkeypatch.setattr(_ray.tune, "trial_storage_url", lambda: ("s3://bucket/run/trial", ""))
-    with pytest.raises(ValueError, match="RayDeepSpeedStrategy: its checkpoint is a directory every rank writes"):
-        trial.check_every_node_mounts_storage("RayDeepSpeedStrategy")
-    monkeypatch.setattr(_ray.tune, "trial_storage_url", lambda: ("/mnt/shared/run/trial", ""))
-    trial.check_every_node_mounts_storage("RayDeepSpeedStrategy")  # a directory: the ranks write there
+    from benchmarks.storage_driver import ray_train_filesystem
+    from ray_lightning.tune import get_tune_resources
+
+    epochs = tmp_path / "epochs"
+    config = {"epochs_file": str(epochs), "epochs": 1, "lr": 0.05}
+    tuner = tune.Tuner(
+        tune.with_resources(train_deepspeed_with_checkpoints, get_tune_resources(num_workers=2)),
+        param_space=config,
+        run_config=tune.RunConfig(
+            storage_path=f"{bucket.name}/tune", storage_filesystem=ray_train_filesystem(s3_endpoint), verbose=0
+        ),
+    )
+    (error,) = tuner.fit().errors
+    assert "its checkpoint is a directory every rank writes its part of with local file I/O" in str(error)
+    assert "storage_path must be a directory every node mounts" in str(error)
+    assert not epochs.exists(), "no rank trained"

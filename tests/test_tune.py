@@ -16,7 +16,7 @@ from ray import tune
 from ray_lightning import HorovodRayStrategy, RayStrategy
 from ray_lightning.tune import TuneReportCallback, TuneReportCheckpointCallback, get_tune_resources
 from tests.conftest import alive_worker_actors, wait_for
-from tests.models import BoringModel
+from tests.models import BoringModel, EpochsTrained
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -160,15 +160,9 @@ def train_sharded_with_checkpoints(config):
     from ray_lightning import RayFSDPStrategy
     from tests.sharded_models import MLP
 
-    class EpochsTrained(pl.Callback):
-        def on_train_epoch_start(self, trainer, pl_module):
-            if trainer.is_global_zero:
-                with open(config["epochs_file"], "a") as f:
-                    f.write(f"{trainer.current_epoch}\n")
-
     strategy = RayFSDPStrategy(num_workers=config.get("workers", 2), state_dict_type="sharded")
     callback = TuneReportCheckpointCallback({"loss": "val_loss"}, filename="model.ckpt")
-    _trainer([callback, EpochsTrained()], strategy, max_epochs=config.get("epochs", 3)).fit(MLP())
+    _trainer([callback, EpochsTrained(config["epochs_file"])], strategy, max_epochs=config.get("epochs", 3)).fit(MLP())
 
 
 def test_a_sharded_trial_checkpoint_is_written_by_every_rank_into_tunes_folder_and_resumes_on_another_size(tmp_path):

@@ -81,6 +81,7 @@ class RankPartsMixin:
     every_rank_writes = True
     full_weights_home: bool | None
     _worker: Any
+    _in_place = False  # save_checkpoint_in_place: every part at the path itself, not staged
 
     def decide_full_weights(self, trainer: pl.Trainer) -> None:
         """On the driver: whether the trained weights come home into the module (``full_weights_home``)."""
@@ -119,7 +120,7 @@ class RankPartsMixin:
     def _local_checkpoint_path(self, filepath: Any) -> Path:
         """Where this rank writes or removes its part of the checkpoint rank 0 names ``filepath``."""
         worker = self._worker
-        if worker is None or getattr(self, "_in_place", False):
+        if worker is None or self._in_place:
             return Path(filepath)
         return Path(local_path(os.fspath(filepath), worker.rank_zero_staging, worker.staging_name))
 

@@ -258,9 +258,8 @@ class TuneReportCheckpointCallback(TuneReportCallback):
     def around_driver_call(self, trainer: pl.Trainer) -> Iterator[str | None]:
         """Also yields the file of the checkpoint Tune restored this trial with, in the trial's first fit."""
         trial.give_stopped_trials_time_to_end()
-        if _rank_directory(trainer):
-            trial.check_every_node_mounts_storage(type(trainer.strategy).__name__)
-        self._in_storage = trial.ranks_write_to_tune_storage()
+        strategy = type(trainer.strategy).__name__
+        self._in_storage = trial.ranks_write_to_tune_storage(strategy if _rank_directory(trainer) else None)
         self.checkpoint_read_in_place = None
         fitting = trainer.state.fn == "fit"
         checkpoint = trial.restored_checkpoint() if fitting and self._resume and trial.first_fit_of_trial() else None
@@ -354,7 +353,8 @@ class TuneReportCheckpointCallback(TuneReportCallback):
         folder = ask_driver(trial.next_checkpoint_folder) if rank_zero else None
         if trainer.world_size > 1:
             folder = trainer.strategy.broadcast(folder, src=0)
-        if _rank_directory(trainer):
+        rank_directory = _rank_directory(trainer)
+        if rank_directory:
             # DeepSpeed's: every rank writes its part of the directory, with local file I/O, into Tune's folder.
             location = storage.join(folder, self._filename)
             trainer.strategy.save_checkpoint_in_place(trainer, location)
@@ -366,7 +366,7 @@ class TuneReportCheckpointCallback(TuneReportCallback):
         seen = ask_driver(sees) if rank_zero else False
         if trainer.world_size > 1:
             seen = trainer.strategy.broadcast(seen, src=0)
-        if not seen and _rank_directory(trainer):
+        if not seen and rank_directory:
             raise RuntimeError(f"TuneReportCheckpointCallback: the trial's process does not see the whole checkpoint "
                                f"the ranks wrote to {location}: Tune's storage_path must be a directory every node "
                                "mounts (each rank writes its part of it with local file I/O).")  # fmt: skip

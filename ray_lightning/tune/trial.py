@@ -54,30 +54,29 @@ def give_stopped_trials_time_to_end() -> None:
         os.environ.setdefault(THREAD_TIMEOUT_ENV, str(STOPPED_TRIAL_END_S))
 
 
-def ranks_write_to_tune_storage() -> bool:
-    """On the trial's process: whether the ranks can write this trial's checkpoints into Tune's storage."""
+def ranks_write_to_tune_storage(rank_directories_of: str | None = None) -> bool:
+    """On the trial's process: whether the ranks can write this trial's checkpoints into Tune's storage.
+
+    ``rank_directories_of``: the strategy's name when its checkpoint is a directory every rank writes its part of
+    with local file I/O (DeepSpeed's): then anything but a Tune storage_path every node mounts is refused here,
+    before launch, since such a checkpoint cannot go through the trial's process as one file.
+    """
     url, why = _ray.tune.trial_storage_url()
-    if url is None and why != "not in a Tune trial":
+    in_trial = why != "not in a Tune trial"
+    if rank_directories_of is not None and in_trial and not (url is not None and is_local(url)):
+        raise ValueError(
+            f"TuneReportCheckpointCallback with {rank_directories_of}: its checkpoint is a directory every rank writes "
+            "its part of with local file I/O, so Tune's storage_path must be a directory every node mounts; "
+            f"{f'{url} is not one' if url is not None else why}. Give tune.RunConfig(storage_path=...) such a "
+            "directory, or report metrics only (TuneReportCallback) and keep checkpoints with ModelCheckpoint."
+        )
+    if url is None and in_trial:
         warnings.warn(
             f"ray_lightning.tune: the trial's checkpoints go through the trial's process as bytes: {why}. "
             "Give Tune a storage_path that fsspec reaches (a directory every node mounts, s3://, gs://).",
             stacklevel=3,
         )
     return url is not None
-
-
-def check_every_node_mounts_storage(strategy: str) -> None:
-    """On the trial's process, before launch: a strategy whose checkpoint is a directory every rank writes its part
-    of with local file I/O (DeepSpeed's) reports checkpoints only into a Tune storage_path every node mounts."""
-    url, why = _ray.tune.trial_storage_url()
-    if why == "not in a Tune trial" or (url is not None and is_local(url)):
-        return
-    raise ValueError(
-        f"TuneReportCheckpointCallback with {strategy}: its checkpoint is a directory every rank writes its part of "
-        "with local file I/O, so Tune's storage_path must be a directory every node mounts; "
-        f"{f'{url} is not one' if url is not None else why}. Give tune.RunConfig(storage_path=...) such a directory, "
-        "or report metrics only (TuneReportCallback) and keep checkpoints with ModelCheckpoint."
-    )
 
 
 # Per Tune function run (a thread of the trial's process): whether its Fabric rank 0 copies checkpoints into Tune's
