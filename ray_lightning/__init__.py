@@ -22,6 +22,16 @@ Where to look: a worker is started in :mod:`ray_lightning.launch.worker_group`; 
 return through :mod:`ray_lightning.home.results`.
 """
 
+import os as _os
+
+if _os.environ.get("RAY_LIGHTNING_IMPORT_NICENESS"):
+    # A spare worker process (launch.worker_group) starts at Ray's niceness 15 with nothing to run before this
+    # import: it imports torch and Lightning (seconds of CPU) at the driver's niceness, or training on every core
+    # would starve it, and takes Ray's back once done (launch.actor). The priority module imports only os.
+    from ray_lightning.launch import priority as _priority
+
+    _priority.hold(int(_os.environ["RAY_LIGHTNING_IMPORT_NICENESS"]))
+
 # First: with neither Lightning installed, this raises an ImportError that says what to install.
 from ray_lightning import namespaces  # noqa: F401, I001
 from ray_lightning import _lightning

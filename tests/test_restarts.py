@@ -11,6 +11,7 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -55,9 +56,9 @@ class FailsOnce(BoringModel):
         return self.layer(self.dropout(x))
 
     def on_fit_start(self):
-        # Which process ran each rank, attempt after attempt.
+        # Which process ran each rank, attempt after attempt, and when that process started.
         with open(self.marker + ".pids", "a") as f:
-            f.write(f"{self.global_rank} {os.getpid()}\n")
+            f.write(f"{self.global_rank} {os.getpid()} {psutil.Process().create_time()}\n")
 
     def training_step(self, batch, batch_idx):
         if self.step_s:
@@ -139,6 +140,7 @@ def test_a_killed_worker_restarts_and_the_fit_ends_as_without_the_failure(tmp_pa
     # batch 8, 2 workers), not from epoch 0's checkpoint (step 4); only the step in flight was lost.
     assert (restart.epoch, restart.global_step, restart.source, restart.steps_lost) == (1, 6, "memory", 0)
     assert "rank 1" in restart.cause and "died" in restart.cause
+    assert restart.spares == 1
     assert (trainer.current_epoch, trainer.global_step) == (3, 12)
     assert torch.equal(model.layer.weight, _reference_weights(tmp_path, dropout=0.3))
     # Every epoch's checkpoint is there, and the log has each step once, in order.
@@ -154,14 +156,20 @@ def test_a_killed_worker_restarts_and_the_fit_ends_as_without_the_failure(tmp_pa
     from ray_lightning.home import driver_disk
 
     assert os.listdir(driver_disk.server_folder()) == []
-    # The restart kept rank 0's process (it came out of the broken collective) and started one for rank 1.
-    pids = [tuple(map(int, line.split())) for line in (tmp_path / "killed.pids").read_text().splitlines()]
-    first, second = sorted(pids[:2]), sorted(pids[2:])
-    assert first[0] == second[0] and first[1] != second[1], pids
-    wait_for(lambda: len(alive_worker_actors()) <= 2, 30, "the failed group's actors to be gone")
+    # The restart kept rank 0's process (it came out of the broken collective), and rank 1's new process is the
+    # spare, started before the kill: the restart waited for no process to start and import.
+    lines = [line.split() for line in (tmp_path / "killed.pids").read_text().splitlines()]
+    first, second = sorted(lines[:2]), sorted(lines[2:])
+    assert first[0] == second[0] and first[1][1] != second[1][1], lines
+    assert float(second[1][2]) < marker.stat().st_mtime, "rank 1's new process started after the kill"
+    # The killed worker's actor is gone; the group (with a new spare) waits for the next call, or is stopped.
+    killed_pid = int(first[1][1])
+    wait_for(lambda: killed_pid not in {a.pid for a in alive_worker_actors()}, 30, "the killed worker's actor to go")
 
 
-def test_a_killed_worker_mid_accumulation_goes_on_from_the_last_step_the_survivor_completed(tmp_path):
+def test_a_killed_worker_mid_accumulation_goes_on_from_the_last_step_the_survivor_completed(tmp_path, monkeypatch):
+    # Without spare processes (as a GPU fit, whose replacement is a new process): the restart waits for one.
+    monkeypatch.setenv("RAY_LIGHTNING_SPARE_WORKERS", "0")
     pl.seed_everything(0)
     # 4 batches per epoch, a step every 2: rank 1 dies in epoch 1's 4th batch, whose step would be the 4th.
     model = FailsOnce(str(tmp_path / "killed"), epoch=1, batch=3, dropout=0.3)
@@ -169,7 +177,7 @@ def test_a_killed_worker_mid_accumulation_goes_on_from_the_last_step_the_survivo
     trainer.fit(model)
     (restart,) = trainer.strategy.restarts
     # Epoch 1's 3rd batch had only accumulated its gradient (lost with the step): it trains again, from step 3.
-    assert (restart.epoch, restart.global_step, restart.source) == (1, 3, "memory")
+    assert (restart.epoch, restart.global_step, restart.source, restart.spares) == (1, 3, "memory", 0)
     assert (trainer.current_epoch, trainer.global_step) == (3, 6)
     reference = _reference_weights(tmp_path, dropout=0.3, epoch=1, batch=3, accumulate_grad_batches=2)
     assert torch.equal(model.layer.weight, reference)
@@ -251,9 +259,16 @@ def test_bad_recovery_arguments_fail_in_the_constructor(kwargs, error, match):
         RayStrategy(num_workers=2, **kwargs)
 
 
-def test_a_bad_environment_variable_names_itself(monkeypatch):
-    monkeypatch.setenv("RAY_LIGHTNING_MAX_FAILURES", "many")
-    with pytest.raises(ValueError, match="RAY_LIGHTNING_MAX_FAILURES .* must be a whole number, got 'many'"):
+@pytest.mark.parametrize(
+    "name, value, match",
+    [
+        ("RAY_LIGHTNING_MAX_FAILURES", "many", "RAY_LIGHTNING_MAX_FAILURES .* must be a whole number, got 'many'"),
+        ("RAY_LIGHTNING_SPARE_WORKERS", "2", "RAY_LIGHTNING_SPARE_WORKERS .* must be 0 or 1, got 2"),
+    ],
+)
+def test_a_bad_environment_variable_names_itself(monkeypatch, name, value, match):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=match):
         RayStrategy(num_workers=2)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ray_lightning.config.variables import MAX_FAILURES_ENV, RECOVERY_EVERY_N_STEPS_ENV, count
+from ray_lightning.config.variables import MAX_FAILURES_ENV, RECOVERY_EVERY_N_STEPS_ENV, SPARE_WORKERS_ENV, count
 
 
 @dataclass(frozen=True)
@@ -16,10 +16,13 @@ class RecoverySettings:
     checkpoint within one call (0: a failure ends the call, as before). ``every_n_steps``: rank 0
     also takes a recovery checkpoint every this many optimizer steps, besides every epoch end
     (None: epoch ends only). Recovery checkpoints are taken only when ``max_failures > 0``.
+    ``spare_workers``: with ``max_failures > 0``, each node of the fit keeps a spare worker process that takes a
+    dead worker's place (:mod:`ray_lightning.launch.worker_group`); ``RAY_LIGHTNING_SPARE_WORKERS=0`` turns it off.
     """
 
     max_failures: int = 0
     every_n_steps: int | None = None
+    spare_workers: bool = True
 
     @property
     def enabled(self) -> bool:
@@ -28,8 +31,13 @@ class RecoverySettings:
     @classmethod
     def resolve(cls, max_failures: Any = None, every_n_steps: Any = None) -> RecoverySettings:
         """Arguments left as None come from ``RAY_LIGHTNING_MAX_FAILURES`` and
-        ``RAY_LIGHTNING_RECOVERY_CHECKPOINT_EVERY_N_STEPS``, else 0 and None."""
+        ``RAY_LIGHTNING_RECOVERY_CHECKPOINT_EVERY_N_STEPS``, else 0 and None; ``spare_workers`` from
+        ``RAY_LIGHTNING_SPARE_WORKERS`` (0 or 1, default 1)."""
+        spares = count("spare_workers", None, SPARE_WORKERS_ENV, 1, 0)
+        if spares not in (0, 1):
+            raise ValueError(f"{SPARE_WORKERS_ENV} (environment variable) must be 0 or 1, got {spares!r}.")
         return cls(
             count("max_failures", max_failures, MAX_FAILURES_ENV, 0, 0) or 0,
             count("recovery_checkpoint_every_n_steps", every_n_steps, RECOVERY_EVERY_N_STEPS_ENV, None, 1),
+            bool(spares),
         )

@@ -23,6 +23,7 @@ DATA_TIMEOUT_ENV = "RAY_LIGHTNING_DATA_TIMEOUT_S"
 NUM_WORKERS_ENV = "RAY_LIGHTNING_NUM_WORKERS"
 BATCH_POLICY_ENV = "RAY_LIGHTNING_BATCH_POLICY"
 GROW_CHECK_INTERVAL_ENV = "RAY_LIGHTNING_GROW_CHECK_INTERVAL_S"
+SPARE_WORKERS_ENV = "RAY_LIGHTNING_SPARE_WORKERS"
 # Variables of the driver that are not forwarded to the workers (launch.contexts forwards the others it
 # names): they belong to the driver's process, such as the socket of its W&B service.
 NOT_FORWARDED_ENV = ("WANDB_SERVICE",)

@@ -50,6 +50,7 @@ class RayWorker:
     def __init__(self, global_rank: int) -> None:
         # A stuck worker's stack can then be taken even where py-spy may not attach (launch.stacks).
         enable_signal_dump()
+        priority.release()  # a spare process imported at the driver's niceness (ray_lightning/__init__): Ray's now
         self._global_rank = global_rank
         self._store: Any = None  # the rendezvous rank 0 keeps open during a call
         # Modification times of the code files imported by the last call (see `reusable`).
@@ -68,8 +69,9 @@ class RayWorker:
         }
 
     def __repr__(self) -> str:
-        # Ray prefixes the lines an actor prints with its repr: "(rank 1 pid=...) Epoch 0: ...".
-        return f"rank {self._global_rank}"
+        # Ray prefixes the lines an actor prints with its repr, taken once: "(rank 1 pid=...) Epoch 0: ...". A spare
+        # process's (launch.worker_group) stay "(spare pid=...)" after it took a rank.
+        return "spare" if self._global_rank < 0 else f"rank {self._global_rank}"
 
     def node_info(self) -> NodeInfo:
         return NodeInfo(

@@ -251,7 +251,7 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
         if group is None:
             group = self._acquire_group(call)
         # A replicated fit goes on from the survivors' state when they hold one (launch.memory).
-        call.recovery.record_restart(failure, len(group.ranks), survivors)
+        call.recovery.record_restart(failure, len(group.ranks), survivors, group.spares_taken)
         return group
 
     @override
@@ -307,6 +307,8 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
             )
             infos = group.node_infos(timeouts.start_s)
             call.marks.setdefault("workers up, their imports done (driver)", time.time())
+            restarts = call.recovery.settings  # spares start now: imported by the time a worker dies
+            group.keep_spares(restarts.enabled and restarts.spare_workers)
             nodes = {r.global_rank: info for r, info in zip(group.ranks, infos)}
             staging = staging_area(nodes, settings) if call.run is None else None
             if call.files_home is None and some_rank_stages(staging, settings, infos):

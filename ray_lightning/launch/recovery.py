@@ -56,7 +56,8 @@ class Restart:
     survivors' state at the failure, :mod:`.memory`) or ``"checkpoint"`` (the newest recovery checkpoint; both
     None and ``source`` None: from the call's start). ``steps_lost``: optimizer steps the survivors had completed
     beyond that point, trained again (None: unknown). ``failed_at``: when the driver learned of it
-    (``time.time()``); ``reason``: why a restart could fix it.
+    (``time.time()``); ``reason``: why a restart could fix it. ``spares``: workers replaced by a spare process
+    that had started before the failure (no new process's start was waited for).
     """
 
     number: int
@@ -70,6 +71,7 @@ class Restart:
     world_size: int | None = None
     source: str | None = None
     steps_lost: int | None = None
+    spares: int = 0
 
     @property
     def resize(self) -> bool:
@@ -240,9 +242,12 @@ class Recovery:
         """The ``ckpt_path`` file the next attempt resumes from: the newest recovery checkpoint, else ``given``."""
         return self._latest.path if self._latest is not None else given
 
-    def record_restart(self, failure: Failure, world_size: int | None = None, survivors: Iterable[Any] = ()) -> Restart:
+    def record_restart(
+        self, failure: Failure, world_size: int | None = None, survivors: Iterable[Any] = (), spares: int = 0
+    ) -> Restart:
         """Log and record the restart that follows ``failure`` (:func:`~.failures.decide` chose it) on
-        ``world_size`` workers; ``survivors``: the actors it keeps, whose state it may go on from."""
+        ``world_size`` workers; ``survivors``: the actors it keeps, whose state it may go on from; ``spares``: the
+        spare processes that took dead workers' places."""
         failed_at = time.time()
         if self.checkpoint_run is not None:
             # Rank 0 may have completed a checkpoint and died before its word reached this process.
@@ -267,12 +272,15 @@ class Recovery:
             world_size=world_size,
             source=source,
             steps_lost=reached - point.global_step if reached is not None and point is not None else None,
+            spares=spares,
         )
         self.restarts.append(restart)
         self._history.append(restart)
         resumed = f"from epoch {restart.epoch} after step {restart.global_step}" if point else "from the start"
         if source == "memory":
             resumed += " (the survivors' state in memory)"
+        if spares:
+            resumed += f", {spares} spare process(es) in the dead workers' places"
         if failure.kind in RESIZES:
             log.warning("ray_lightning: %s workers now; the call goes on %s.", world_size, resumed)
             return restart

@@ -5,6 +5,11 @@ group. :meth:`WorkerGroup.shutdown` is the one clean-up path: for a group that f
 through starting, for one whose call failed, for one stopped by Ctrl-C, and for an idle one that
 expired. Startup failures have their own types: :class:`~ray_lightning.errors.WorkerStartupError`
 (an actor died before running the call) and :class:`~ray_lightning.errors.WorkerStartupTimeoutError`.
+
+A fit that may restart keeps one *spare* worker process per node (:meth:`WorkerGroup.keep_spares`): an actor that
+reserves nothing, started while the fit trains, whose imports (torch, Lightning: seconds) are done when a worker
+dies. :meth:`WorkerGroup.salvage` puts it in the dead worker's place, so the restart waits for no new process.
+Growth law: one idle process per node of the group (its memory: the imports, about 0.4 GB), no CPU or GPU reserved.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from ray_lightning.launch.actor import NodeInfo, RayWorker
 from ray_lightning.launch.placement import Placement
 from ray_lightning.launch.poll import wait_for_outputs
 from ray_lightning.launch.rendezvous import Rendezvous, RendezvousPoint
-from ray_lightning.launch.session import driver_node_id, ray_session
+from ray_lightning.launch.session import driver_niceness, driver_node_id, ray_session
 from ray_lightning.launch.watchdog import Watchdog
 from ray_lightning.runtime import WorkerContext
 
@@ -40,6 +45,10 @@ log = logging.getLogger(__name__)
 RENDEZVOUS_TIMEOUT_FACTOR = 2.0
 # How often a group that lost a node reads whether Ray placed its bundles again (salvage's placed_wait_s).
 PLACED_POLL_S = 0.5
+# The rank a spare worker process is started with (its log lines say "spare"); it takes a rank when it runs a call.
+SPARE_RANK = -1
+# Read by ray_lightning/__init__ in a spare's process (written out there: that import cannot wait for this module's).
+IMPORT_NICENESS_ENV = "RAY_LIGHTNING_IMPORT_NICENESS"
 
 
 class WorkerGroup:
@@ -54,6 +63,8 @@ class WorkerGroup:
         self._running: list[Any] = []  # the running call's refs, actor by actor
         self._let_go: set[Any] = set()  # the failed call's refs whose workers were asked to let go of it
         self.survivors: list[Any] = []  # after salvage: the actors whose processes came out of the broken call
+        self.spares: dict[str, Any] = {}  # node id: a spare worker process there (keep_spares)
+        self.spares_taken = 0  # by the last salvage
         self._request: WorkerResources | None = None
         self._channel: DriverChannel | None = None
         self._session = ray_session()
@@ -74,13 +85,42 @@ class WorkerGroup:
             raise
         return group
 
-    def _new_actor(self, i: int) -> Any:
-        """A worker actor for rank ``ranks[i]`` in bundle ``placement.bundles[i]``."""
+    def _new_actor(self, i: int, spare: bool = False) -> Any:
+        """A worker actor for rank ``ranks[i]`` in bundle ``placement.bundles[i]``; ``spare``: one on that bundle's node
+        that reserves nothing (:meth:`keep_spares`)."""
         assert self._request is not None
         bundle = self.placement.bundles[i]
         strategy = PlacementGroupSchedulingStrategy(self.placement.pg, placement_group_bundle_index=bundle)
         options = self._request.actor_options()
-        return ray.remote(RayWorker).options(**options, scheduling_strategy=strategy).remote(self.ranks[i].global_rank)
+        if spare:
+            options = {"num_cpus": 0}
+            niceness = driver_niceness()
+            if niceness is not None:  # its imports at the driver's priority (ray_lightning/__init__)
+                options["runtime_env"] = {"env_vars": {IMPORT_NICENESS_ENV: str(niceness)}}
+        rank = SPARE_RANK if spare else self.ranks[i].global_rank
+        return ray.remote(RayWorker).options(**options, scheduling_strategy=strategy).remote(rank)
+
+    def keep_spares(self, wanted: bool = True) -> None:
+        """Start a spare worker process on each node of the group that has none (see the module docstring); not
+        ``wanted``: stop those it has (a reused group's, for a call that keeps none).
+
+        Only for workers that reserve CPUs alone: a spare reserves nothing, and a GPU (or another accelerator) is
+        given to a process by what it reserves, so a GPU worker's replacement is a new process, as before.
+        """
+        assert self._request is not None
+        if not wanted or self._request.gpus or any(k != "memory" for k in self._request.custom):
+            self.drop_spares()
+            return
+        for i, node in enumerate(self.placement.nodes):
+            if node not in self.spares:
+                self.spares[node] = self._new_actor(i, spare=True)
+
+    def drop_spares(self) -> None:
+        """Stop the spares."""
+        for spare in self.spares.values():
+            with contextlib.suppress(Exception):
+                ray.kill(spare, no_restart=True)
+        self.spares = {}
 
     def salvage(self, wait_s: float, min_workers: int | None = None, placed_wait_s: float = 0.0) -> WorkerGroup | None:
         """After a worker or node was lost in a call: this group, with new workers for those that cannot go on.
@@ -97,6 +137,7 @@ class WorkerGroup:
         cluster can hold it).
         """
         self._let_go_ended()
+        self.spares_taken = 0
         running, self._running = self._running, []
         kept = self._placed_again(running, placed_wait_s if min_workers is None else 0.0, min_workers)
         if not kept:
@@ -139,6 +180,8 @@ class WorkerGroup:
         for i in set(range(len(now))) - set(keep):
             with contextlib.suppress(Exception):
                 ray.kill(self.actors[i], no_restart=True)
+        for node in set(self.spares) - set(now):  # its node is gone, and the spare with it
+            self.spares.pop(node)
         self.actors = [self.actors[i] for i in keep]
         self.placement.bundles = [self.placement.bundles[i] for i in keep]
         self.placement.nodes = [node for node in now if node is not None]
@@ -164,10 +207,16 @@ class WorkerGroup:
                 self.actors[i].let_go.remote()
 
     def _replace(self, i: int) -> None:
-        """Stop actor ``i`` and start a new one for its rank in its bundle."""
+        """Stop actor ``i``; the spare on its node takes its place (another spare starts there), else a new actor."""
         with contextlib.suppress(Exception):
             ray.kill(self.actors[i], no_restart=True)
-        self.actors[i] = self._new_actor(i)
+        spare = self.spares.pop(self.placement.nodes[i], None)
+        if spare is None:
+            self.actors[i] = self._new_actor(i)
+            return
+        self.actors[i] = spare
+        self.spares_taken += 1
+        self.spares[self.placement.nodes[i]] = self._new_actor(i, spare=True)
 
     @property
     def owns_placement(self) -> bool:
@@ -269,6 +318,7 @@ class WorkerGroup:
             with contextlib.suppress(Exception):
                 ray.get(ref, timeout=0)
         self._running = []
+        self.drop_spares()
         for actor in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
