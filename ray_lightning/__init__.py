@@ -27,7 +27,7 @@ import os as _os
 if _os.environ.get("RAY_LIGHTNING_IMPORT_NICENESS"):
     # A spare worker process (launch.worker_group) starts at Ray's niceness 15 with nothing to run before this
     # import: it imports torch and Lightning (seconds of CPU) at the driver's niceness, or training on every core
-    # would starve it, and takes Ray's back once done (launch.actor). The priority module imports only os.
+    # would starve it, and takes Ray's back once done (below). The priority module imports only os.
     from ray_lightning.launch import priority as _priority
 
     _priority.hold(int(_os.environ["RAY_LIGHTNING_IMPORT_NICENESS"]))
@@ -47,6 +47,9 @@ from ray_lightning.strategies.fsdp1 import RayFSDP1Accelerator, RayFSDP1Strategy
 from ray_lightning.strategies.model_parallel import RayModelParallelAccelerator, RayModelParallelStrategy
 
 __version__ = "0.6.0"
+
+if _os.environ.get("RAY_LIGHTNING_IMPORT_NICENESS"):
+    _priority.release()
 
 _lightning.install()
 fabric.install()

@@ -218,3 +218,24 @@ def test_a_fixed_size_group_waits_until_ray_placed_the_lost_bundle_again_and_mov
     kept = group._placed_again(["ref 0", "ref 1"], wait_s=60, min_workers=None)
     assert kept == ["ref 0", "ref 1"] and group.placement.nodes == ["c", "b"]
     assert [(r.global_rank, r.node_rank) for r in group.ranks] == [(0, 0), (1, 1)]
+
+
+def test_a_dead_workers_place_goes_to_its_nodes_spare_while_it_lives_else_to_a_new_process(monkeypatch):
+    from ray_lightning.launch import worker_group
+
+    group = _group_on(["a", "b", "c"], [["a", "b", "c"]])
+    group._request = object()  # read by nothing once _new_actor is replaced
+    monkeypatch.setattr(group, "_new_actor", lambda i, spare=False: f"new actor {i}")
+    monkeypatch.setattr(worker_group, "_spare_died", lambda spare: spare[1] == "died")
+    group.spares = {"a": ("spare on a", "ready"), "b": ("spare on b", "died")}
+    for i in range(3):
+        group._replace(i)
+    assert group.actors == ["spare on a", "new actor 1", "new actor 2"]
+    assert group.spares_taken == 1 and group.spares == {}, "a spare is taken once; the next attempt starts others"
+
+
+def test_a_lost_nodes_spare_is_dropped_with_its_workers():
+    group = _group_on(["a", "b", "c"], [["a", None, "c"]])
+    group.spares = {"a": ("spare on a", "ref"), "b": ("spare on b", "ref")}
+    group._placed_again(["ref a", "ref b", "ref c"], wait_s=0, min_workers=2)
+    assert list(group.spares) == ["a"]

@@ -6,6 +6,7 @@ Multi-node failures (a node removed, a node drained for preemption) are in tests
 from __future__ import annotations
 
 import csv
+import functools
 import os
 import signal
 import time
@@ -58,7 +59,7 @@ class FailsOnce(BoringModel):
     def on_fit_start(self):
         # Which process ran each rank, attempt after attempt, and when that process started.
         with open(self.marker + ".pids", "a") as f:
-            f.write(f"{self.global_rank} {os.getpid()} {psutil.Process().create_time()}\n")
+            f.write(f"{self.global_rank} {os.getpid()} {psutil.Process().create_time()} {torch.get_num_threads()}\n")
 
     def training_step(self, batch, batch_idx):
         if self.step_s:
@@ -130,7 +131,8 @@ def test_a_killed_worker_restarts_and_the_fit_ends_as_without_the_failure(tmp_pa
     marker = tmp_path / "killed"
     # Dropout draws random masks every step: the same weights need the random state carried over.
     model = FailsOnce(str(marker), dropout=0.3, checkpoint_step=4)
-    trainer = _trainer(tmp_path, RayStrategy(num_workers=2, max_failures=1))
+    two_cpus = functools.partial(RayStrategy, num_cpus_per_worker=2)  # torch's threads: 2 in every rank
+    trainer = _trainer(tmp_path, two_cpus(num_workers=2, max_failures=1))
     trainer.fit(model)
 
     assert marker.exists(), "the worker was never killed"
@@ -142,7 +144,7 @@ def test_a_killed_worker_restarts_and_the_fit_ends_as_without_the_failure(tmp_pa
     assert "rank 1" in restart.cause and "died" in restart.cause
     assert restart.spares == 1
     assert (trainer.current_epoch, trainer.global_step) == (3, 12)
-    assert torch.equal(model.layer.weight, _reference_weights(tmp_path, dropout=0.3))
+    assert torch.equal(model.layer.weight, _reference_weights(tmp_path, two_cpus, dropout=0.3))
     # Every epoch's checkpoint is there, and the log has each step once, in order.
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "epoch=0-step=4.ckpt",
@@ -162,6 +164,7 @@ def test_a_killed_worker_restarts_and_the_fit_ends_as_without_the_failure(tmp_pa
     first, second = sorted(lines[:2]), sorted(lines[2:])
     assert first[0] == second[0] and first[1][1] != second[1][1], lines
     assert float(second[1][2]) < marker.stat().st_mtime, "rank 1's new process started after the kill"
+    assert [int(line[3]) for line in lines] == [2] * 4, "the spare (which reserved no CPU) trains with 2 threads too"
     # The killed worker's actor is gone; the group (with a new spare) waits for the next call, or is stopped.
     killed_pid = int(first[1][1])
     wait_for(lambda: killed_pid not in {a.pid for a in alive_worker_actors()}, 30, "the killed worker's actor to go")
@@ -263,7 +266,7 @@ def test_bad_recovery_arguments_fail_in_the_constructor(kwargs, error, match):
     "name, value, match",
     [
         ("RAY_LIGHTNING_MAX_FAILURES", "many", "RAY_LIGHTNING_MAX_FAILURES .* must be a whole number, got 'many'"),
-        ("RAY_LIGHTNING_SPARE_WORKERS", "2", "RAY_LIGHTNING_SPARE_WORKERS .* must be 0 or 1, got 2"),
+        ("RAY_LIGHTNING_SPARE_WORKERS", "2", r"RAY_LIGHTNING_SPARE_WORKERS .* must be 0 or 1 \(off or on\), got '2'"),
     ],
 )
 def test_a_bad_environment_variable_names_itself(monkeypatch, name, value, match):

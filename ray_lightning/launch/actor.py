@@ -50,8 +50,8 @@ class RayWorker:
     def __init__(self, global_rank: int) -> None:
         # A stuck worker's stack can then be taken even where py-spy may not attach (launch.stacks).
         enable_signal_dump()
-        priority.release()  # a spare process imported at the driver's niceness (ray_lightning/__init__): Ray's now
         self._global_rank = global_rank
+        self._spare = global_rank < 0  # a spare process (launch.worker_group): says which rank it takes
         self._store: Any = None  # the rendezvous rank 0 keeps open during a call
         # Modification times of the code files imported by the last call (see `reusable`).
         self._code_files: dict[str, float] = {}
@@ -104,6 +104,9 @@ class RayWorker:
         self.finish_call()
         self._weights = []
         self._global_rank = context.rank.global_rank  # a group re-formed after a lost node gives ranks again
+        if self._spare:
+            self._spare = False  # Ray's prefix of its lines stays "(spare pid=...)": this line names the rank
+            print(f"ray_lightning: this spare process (pid {os.getpid()}) is rank {self._global_rank} now", flush=True)
         self._niceness = context.niceness
         snapshot.forget()  # a failed fit's state, shared (or not needed) before this call was sent
         call = WorkerCall(context, self._store, self.started)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,8 @@ PLACED_POLL_S = 0.5
 SPARE_RANK = -1
 # Read by ray_lightning/__init__ in a spare's process (written out there: that import cannot wait for this module's).
 IMPORT_NICENESS_ENV = "RAY_LIGHTNING_IMPORT_NICENESS"
+# Resources that give a process a device (Ray makes it visible to the process that reserved it): no spare then.
+ACCELERATORS = frozenset({"GPU", "TPU", "neuron_cores", "HPU", "NPU"})
 
 
 class WorkerGroup:
@@ -63,7 +66,8 @@ class WorkerGroup:
         self._running: list[Any] = []  # the running call's refs, actor by actor
         self._let_go: set[Any] = set()  # the failed call's refs whose workers were asked to let go of it
         self.survivors: list[Any] = []  # after salvage: the actors whose processes came out of the broken call
-        self.spares: dict[str, Any] = {}  # node id: a spare worker process there (keep_spares)
+        # Node id: a spare worker process there (keep_spares), with its start-up call's reference.
+        self.spares: dict[str, tuple[Any, Any]] = {}
         self.spares_taken = 0  # by the last salvage
         self._request: WorkerResources | None = None
         self._channel: DriverChannel | None = None
@@ -93,33 +97,45 @@ class WorkerGroup:
         strategy = PlacementGroupSchedulingStrategy(self.placement.pg, placement_group_bundle_index=bundle)
         options = self._request.actor_options()
         if spare:
-            options = {"num_cpus": 0}
-            niceness = driver_niceness()
-            if niceness is not None:  # its imports at the driver's priority (ray_lightning/__init__)
-                options["runtime_env"] = {"env_vars": {IMPORT_NICENESS_ENV: str(niceness)}}
+            options = {"num_cpus": 0, "runtime_env": {"env_vars": self._spare_environment()}}
         rank = SPARE_RANK if spare else self.ranks[i].global_rank
         return ray.remote(RayWorker).options(**options, scheduling_strategy=strategy).remote(rank)
 
-    def keep_spares(self, wanted: bool = True) -> None:
-        """Start a spare worker process on each node of the group that has none (see the module docstring); not
-        ``wanted``: stop those it has (a reused group's, for a call that keeps none).
+    def _spare_environment(self) -> dict[str, str]:
+        """A spare's variables: it imports at the driver's niceness (ray_lightning/__init__), and its torch uses as
+        many threads as a worker that reserved the CPUs (Ray gives a process that reserved none one thread)."""
+        assert self._request is not None
+        variables = {}
+        niceness = driver_niceness()
+        if niceness is not None:
+            variables[IMPORT_NICENESS_ENV] = str(niceness)
+        job = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
+        if "OMP_NUM_THREADS" not in job:  # else the spare inherits the job's, as the workers do
+            variables["OMP_NUM_THREADS"] = str(max(1, math.floor(self._request.cpus)))
+        return variables
 
-        Only for workers that reserve CPUs alone: a spare reserves nothing, and a GPU (or another accelerator) is
-        given to a process by what it reserves, so a GPU worker's replacement is a new process, as before.
+    def keep_spares(self, wanted: bool = True) -> None:
+        """Start a spare worker process on each node of the group that has none alive (see the module docstring);
+        not ``wanted``: stop those it has (a reused group's, for a call that keeps none).
+
+        Only for workers without an accelerator: a spare reserves nothing, and a GPU (or a TPU...) is given to a
+        process by what it reserves, so such a worker's replacement is a new process, as before.
         """
         assert self._request is not None
-        if not wanted or self._request.gpus or any(k != "memory" for k in self._request.custom):
+        reserved = {"GPU": self._request.gpus, **self._request.custom}
+        if not wanted or any(amount and name in ACCELERATORS for name, amount in reserved.items()):
             self.drop_spares()
             return
         for i, node in enumerate(self.placement.nodes):
-            if node not in self.spares:
-                self.spares[node] = self._new_actor(i, spare=True)
+            if node not in self.spares or _spare_died(self.spares[node]):
+                actor = self._new_actor(i, spare=True)
+                self.spares[node] = (actor, actor.node_info.remote())
 
     def drop_spares(self) -> None:
         """Stop the spares."""
-        for spare in self.spares.values():
+        for actor, _ in self.spares.values():
             with contextlib.suppress(Exception):
-                ray.kill(spare, no_restart=True)
+                ray.kill(actor, no_restart=True)
         self.spares = {}
 
     def salvage(self, wait_s: float, min_workers: int | None = None, placed_wait_s: float = 0.0) -> WorkerGroup | None:
@@ -181,7 +197,8 @@ class WorkerGroup:
             with contextlib.suppress(Exception):
                 ray.kill(self.actors[i], no_restart=True)
         for node in set(self.spares) - set(now):  # its node is gone, and the spare with it
-            self.spares.pop(node)
+            with contextlib.suppress(Exception):
+                ray.kill(self.spares.pop(node)[0], no_restart=True)
         self.actors = [self.actors[i] for i in keep]
         self.placement.bundles = [self.placement.bundles[i] for i in keep]
         self.placement.nodes = [node for node in now if node is not None]
@@ -211,12 +228,11 @@ class WorkerGroup:
         with contextlib.suppress(Exception):
             ray.kill(self.actors[i], no_restart=True)
         spare = self.spares.pop(self.placement.nodes[i], None)
-        if spare is None:
+        if spare is None or _spare_died(spare):
             self.actors[i] = self._new_actor(i)
             return
-        self.actors[i] = spare
+        self.actors[i] = spare[0]  # the node's next spare starts with the next attempt (keep_spares)
         self.spares_taken += 1
-        self.spares[self.placement.nodes[i]] = self._new_actor(i, spare=True)
 
     @property
     def owns_placement(self) -> bool:
@@ -327,6 +343,12 @@ class WorkerGroup:
             self._channel = None
         self.placement.release()
         self.actors = []
+
+
+def _spare_died(spare: tuple[Any, Any]) -> bool:
+    """Whether a spare's start-up call ended in its death (killed, out of memory): not one to take or keep."""
+    ready, _ = ray.wait([spare[1]], timeout=0)
+    return bool(ready) and _died(spare[1])
 
 
 def _died(ref: Any) -> bool:
