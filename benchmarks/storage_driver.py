@@ -104,7 +104,7 @@ CASES: dict[str, Case] = {
     for c in (
         Case("mem_none", f"{_FSDP}, max_failures=0): no recovery checkpoints (reference)", "memory",
              max_failures=0, storage=False),
-        Case("mem_driver", f"{_FSDP}, max_failures=1), no storage_path: gathered on rank 0, kept by the driver",
+        Case("mem_driver", f"{_FSDP}, max_failures=1), no storage_path: each rank's shard to the driver's disk",
              "memory", storage=False),
         Case("mem_storage", f"{_FSDP}, max_failures=1, storage_path=s3://...): each rank uploads its shard",
              "memory"),
