@@ -24,12 +24,12 @@ return through :mod:`ray_lightning.home.results`.
 
 import os as _os
 
+from ray_lightning.launch import priority as _priority  # imports only os and logging
+
 if _os.environ.get("RAY_LIGHTNING_IMPORT_NICENESS"):
     # A spare worker process (launch.worker_group) starts at Ray's niceness 15 with nothing to run before this
     # import: it imports torch and Lightning (seconds of CPU) at the driver's niceness, or training on every core
-    # would starve it, and takes Ray's back once done (below). The priority module imports only os.
-    from ray_lightning.launch import priority as _priority
-
+    # would starve it, and takes Ray's back once done (below).
     _priority.hold(int(_os.environ["RAY_LIGHTNING_IMPORT_NICENESS"]))
 
 # First: with neither Lightning installed, this raises an ImportError that says what to install.
@@ -48,8 +48,7 @@ from ray_lightning.strategies.model_parallel import RayModelParallelAccelerator,
 
 __version__ = "0.6.0"
 
-if _os.environ.get("RAY_LIGHTNING_IMPORT_NICENESS"):
-    _priority.release()
+_priority.release()  # nothing held outside a spare's process
 
 _lightning.install()
 fabric.install()

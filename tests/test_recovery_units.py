@@ -16,6 +16,7 @@ from ray_lightning.home.recovery import random_states, set_random_states
 from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.failures import Failure, Kind
 from ray_lightning.launch.recovery import Recovery
+from tests.conftest import wait_for
 
 
 def test_errors_keep_their_failures_when_pickled():
@@ -220,18 +221,36 @@ def test_a_fixed_size_group_waits_until_ray_placed_the_lost_bundle_again_and_mov
     assert [(r.global_rank, r.node_rank) for r in group.ranks] == [(0, 0), (1, 1)]
 
 
-def test_a_dead_workers_place_goes_to_its_nodes_spare_while_it_lives_else_to_a_new_process(monkeypatch):
-    from ray_lightning.launch import worker_group
+def test_a_dead_workers_place_goes_to_its_nodes_spare_while_it_lives_else_to_a_new_process(ray_local, monkeypatch):
+    import ray
+    from ray.exceptions import RayActorError
 
+    @ray.remote(num_cpus=0)
+    class Spare:
+        def node_info(self) -> str:
+            return "here"
+
+    live, dead = Spare.remote(), Spare.remote()
+    started = {"a": (live, live.node_info.remote()), "b": (dead, dead.node_info.remote())}
+    ray.get([ref for _, ref in started.values()])
+    ray.kill(dead)  # after its start, as Ray's memory monitor kills an idle process
+
+    def gone() -> bool:
+        try:
+            ray.get(dead.node_info.remote(), timeout=10)
+        except RayActorError:
+            return True
+        return False
+
+    wait_for(gone, 30, "the killed spare to be gone")
     group = _group_on(["a", "b", "c"], [["a", "b", "c"]])
-    group._request = object()  # read by nothing once _new_actor is replaced
-    monkeypatch.setattr(group, "_new_actor", lambda i, spare=False: f"new actor {i}")
-    monkeypatch.setattr(worker_group, "_spare_died", lambda spare: spare[1] == "died")
-    group.spares = {"a": ("spare on a", "ready"), "b": ("spare on b", "died")}
+    monkeypatch.setattr(group, "_new_actor", lambda i, spare=False: f"new actor {i}")  # it needs a placement group
+    group.spares = started
     for i in range(3):
         group._replace(i)
-    assert group.actors == ["spare on a", "new actor 1", "new actor 2"]
+    assert group.actors == [live, "new actor 1", "new actor 2"]
     assert group.spares_taken == 1 and group.spares == {}, "a spare is taken once; the next attempt starts others"
+    ray.kill(live)
 
 
 def test_a_lost_nodes_spare_is_dropped_with_its_workers():

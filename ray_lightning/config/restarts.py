@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
-from ray_lightning.config.variables import MAX_FAILURES_ENV, RECOVERY_EVERY_N_STEPS_ENV, SPARE_WORKERS_ENV, count
-
-# What RAY_LIGHTNING_SPARE_WORKERS may say.
-SWITCH = {"1": True, "on": True, "true": True, "yes": True, "0": False, "off": False, "false": False, "no": False}
+from ray_lightning.config.variables import (
+    MAX_FAILURES_ENV,
+    RECOVERY_EVERY_N_STEPS_ENV,
+    SPARE_WORKERS_ENV,
+    count,
+    switch,
+)
 
 
 @dataclass(frozen=True)
@@ -37,11 +39,8 @@ class RecoverySettings:
         """Arguments left as None come from ``RAY_LIGHTNING_MAX_FAILURES`` and
         ``RAY_LIGHTNING_RECOVERY_CHECKPOINT_EVERY_N_STEPS``, else 0 and None; ``spare_workers`` from
         ``RAY_LIGHTNING_SPARE_WORKERS`` (0 or 1, default 1)."""
-        raw = os.environ.get(SPARE_WORKERS_ENV, "1").strip().lower()
-        if raw not in SWITCH:
-            raise ValueError(f"{SPARE_WORKERS_ENV} (environment variable) must be 0 or 1 (off or on), got {raw!r}.")
         return cls(
             count("max_failures", max_failures, MAX_FAILURES_ENV, 0, 0) or 0,
             count("recovery_checkpoint_every_n_steps", every_n_steps, RECOVERY_EVERY_N_STEPS_ENV, None, 1),
-            SWITCH[raw],
+            switch(SPARE_WORKERS_ENV, True),
         )

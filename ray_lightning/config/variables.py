@@ -29,6 +29,8 @@ SPARE_WORKERS_ENV = "RAY_LIGHTNING_SPARE_WORKERS"
 NOT_FORWARDED_ENV = ("WANDB_SERVICE",)
 # What a variable says to switch a bound off.
 OFF = ("none", "off", "")
+# What an on/off variable may say.
+SWITCH = {"1": True, "on": True, "true": True, "yes": True, "0": False, "off": False, "false": False, "no": False}
 # The longest wait Python's threads (and so every bound here) accept: about 292 years.
 MAX_SECONDS = threading.TIMEOUT_MAX
 
@@ -55,6 +57,18 @@ def seconds(name: str, value: Any, env: str, default: float, zero_ok: bool = Fal
     if value < 0 or (value == 0 and not zero_ok):
         raise ValueError(f"{source} must be a {kind} number of seconds, got {value!r}.")
     return float(value)
+
+
+def switch(env: str, default: bool) -> bool:
+    """On or off, from the variable ``env`` (``1``/``on``/``true``/``yes`` or ``0``/``off``/``false``/``no``), else
+    ``default``."""
+    raw = os.environ.get(env)
+    if raw is None:
+        return default
+    said = raw.strip().lower()
+    if said not in SWITCH:
+        raise ValueError(f"{env} (environment variable) must be 0 or 1 (off or on), got {raw!r}.")
+    return SWITCH[said]
 
 
 def count(name: str, value: Any, env: str, default: int | None, minimum: int) -> int | None:

@@ -48,6 +48,8 @@ RENDEZVOUS_TIMEOUT_FACTOR = 2.0
 PLACED_POLL_S = 0.5
 # The rank a spare worker process is started with (its log lines say "spare"); it takes a rank when it runs a call.
 SPARE_RANK = -1
+# How long a spare that is done importing has to answer before it is taken as gone (it answers in milliseconds).
+SPARE_ANSWER_S = 2.0
 # Read by ray_lightning/__init__ in a spare's process (written out there: that import cannot wait for this module's).
 IMPORT_NICENESS_ENV = "RAY_LIGHTNING_IMPORT_NICENESS"
 # Resources that give a process a device (Ray makes it visible to the process that reserved it): no spare then.
@@ -127,7 +129,10 @@ class WorkerGroup:
             self.drop_spares()
             return
         for i, node in enumerate(self.placement.nodes):
-            if node not in self.spares or _spare_died(self.spares[node]):
+            if node in self.spares and not _spare_usable(self.spares[node]):
+                with contextlib.suppress(Exception):
+                    ray.kill(self.spares.pop(node)[0], no_restart=True)
+            if node not in self.spares:
                 actor = self._new_actor(i, spare=True)
                 self.spares[node] = (actor, actor.node_info.remote())
 
@@ -228,7 +233,10 @@ class WorkerGroup:
         with contextlib.suppress(Exception):
             ray.kill(self.actors[i], no_restart=True)
         spare = self.spares.pop(self.placement.nodes[i], None)
-        if spare is None or _spare_died(spare):
+        if spare is None or not _spare_usable(spare):
+            if spare is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(spare[0], no_restart=True)
             self.actors[i] = self._new_actor(i)
             return
         self.actors[i] = spare[0]  # the node's next spare starts with the next attempt (keep_spares)
@@ -345,10 +353,15 @@ class WorkerGroup:
         self.actors = []
 
 
-def _spare_died(spare: tuple[Any, Any]) -> bool:
-    """Whether a spare's start-up call ended in its death (killed, out of memory): not one to take or keep."""
-    ready, _ = ray.wait([spare[1]], timeout=0)
-    return bool(ready) and _died(spare[1])
+def _spare_usable(spare: tuple[Any, Any]) -> bool:
+    """Whether a spare (its actor, its start-up call) may take a worker's place: one still importing may (it is sooner
+    ready than a new process), one done answers a new call within :data:`SPARE_ANSWER_S` (a dead one fails it at once:
+    killed, out of memory, its node lost)."""
+    actor, started = spare
+    if not ray.wait([started], timeout=0)[0]:
+        return True
+    answer = actor.node_info.remote()
+    return bool(ray.wait([answer], timeout=SPARE_ANSWER_S)[0]) and not _died(answer)
 
 
 def _died(ref: Any) -> bool:
