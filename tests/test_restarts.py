@@ -126,7 +126,7 @@ def _csv_rows(trainer) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def test_a_killed_worker_restarts_and_the_fit_ends_as_without_the_failure(tmp_path):
+def test_a_killed_worker_restarts_and_the_fit_ends_as_without_the_failure(tmp_path, capfd):
     pl.seed_everything(0)
     marker = tmp_path / "killed"
     # Dropout draws random masks every step: the same weights need the random state carried over.
@@ -165,6 +165,9 @@ def test_a_killed_worker_restarts_and_the_fit_ends_as_without_the_failure(tmp_pa
     assert first[0] == second[0] and first[1][1] != second[1][1], lines
     assert float(second[1][2]) < marker.stat().st_mtime, "rank 1's new process started after the kill"
     assert [int(line[3]) for line in lines] == [2] * 4, "the spare (which reserved no CPU) trains with 2 threads too"
+    # Its lines on the driver say which rank it is now, as the other ranks' do.
+    out, err = capfd.readouterr()
+    assert f"rank 1 pid={second[1][1]})" in out + err, (out + err)[-4000:]
     # The killed worker's actor is gone; the group (with a new spare) waits for the next call, or is stopped.
     killed_pid = int(first[1][1])
     wait_for(lambda: killed_pid not in {a.pid for a in alive_worker_actors()}, 30, "the killed worker's actor to go")

@@ -7,6 +7,10 @@ repeated lines; ``ray.shutdown`` flushes them with ``print_worker_logs``. None o
 :func:`wrap_output_printer` and :func:`flush_deduplicated_output` do what
 :mod:`ray_lightning.channel.worker_output` needs, and do nothing where a name is missing (another
 Ray version, Ray Client, a process that prints no forwarded output).
+
+The ``(name pid=...)`` in front of an actor's forwarded lines is what Ray's log monitor last read on a
+``ray_constants.LOG_PREFIX_ACTOR_NAME`` line of the worker's log files (written once, at the actor's start):
+:func:`name_this_actors_output` writes another, for a process whose rank changed.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 DISPATCHER = "ray._private.ray_logging"  # global_worker_stdstream_dispatcher: _lock, handlers
 WORKER = "ray._private.worker"  # the de-duplicators and print_worker_logs
+CONSTANTS = "ray._private.ray_constants"  # LOG_PREFIX_ACTOR_NAME: the log files' line that names the actor
 PRINTER = "ray_print_logs"  # the name of the dispatcher's handler that prints forwarded output
 _WRAPPED = "_ray_lightning"  # marks a printer wrapped by wrap_output_printer
 
@@ -68,3 +73,15 @@ def flush_deduplicated_output() -> None:
         for deduplicator, sink in ((worker.stdout_deduplicator, sys.stdout), (worker.stderr_deduplicator, sys.stderr)):
             for batch in deduplicator.flush():
                 worker.print_worker_logs(batch, sink, ignore_prefix)
+
+
+def name_this_actors_output(name: str) -> None:
+    """From here on, the driver prints this actor's lines as ``(name pid=...)`` (nothing where Ray has no marker)."""
+    try:
+        from ray._private.ray_constants import LOG_PREFIX_ACTOR_NAME
+    except ImportError:
+        return
+    # Ray's log monitor reads the .out and the .err file apart: each gets the marker, which it does not forward.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            print(f"{LOG_PREFIX_ACTOR_NAME}{name}", file=stream, flush=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 from ray_lightning._ray.data import DATASET, EXCLUDE_RESOURCES, EXECUTION_OPTIONS, META_COUNT, REF_BUNDLES
 from ray_lightning._ray.kv import INTERNAL_KV, RAY_KEY_NAMES
-from ray_lightning._ray.logs import DISPATCHER, WORKER
+from ray_lightning._ray.logs import CONSTANTS, DISPATCHER, WORKER
 from ray_lightning._ray.state import AUTOSCALER_PB2, GLOBAL_STATE, UP_NODE_STATUSES
 from ray_lightning._ray.tune import DIR_NAME, GET_SESSION, SESSION, STORAGE, STORAGE_CONTEXT
 from ray_lightning._torch.private import PrivateName
@@ -33,6 +33,7 @@ ON_MODULES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "global_worker.gcs_client.get_cluster_status",  # set when the process connects to Ray
         ),
     ),
+    (CONSTANTS, ("LOG_PREFIX_ACTOR_NAME",)),
     (GLOBAL_STATE, ("state.get_draining_nodes", "state.get_cluster_config")),
     (INTERNAL_KV, ("_internal_kv_get", "_internal_kv_put", "_internal_kv_del")),
     # A DeveloperAPI and a deprecated option, not private: listed so that a release without them is named.

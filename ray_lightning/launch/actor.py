@@ -24,6 +24,7 @@ import ray
 import torch
 
 from ray_lightning import namespaces
+from ray_lightning._ray import logs
 from ray_lightning.home import files, snapshot
 from ray_lightning.home.results import WorkerOutput
 from ray_lightning.home.snapshot import SnapshotHeader
@@ -69,8 +70,7 @@ class RayWorker:
         }
 
     def __repr__(self) -> str:
-        # Ray prefixes the lines an actor prints with its repr, taken once: "(rank 1 pid=...) Epoch 0: ...". A spare
-        # process's (launch.worker_group) stay "(spare pid=...)" after it took a rank.
+        # Ray prefixes the lines an actor prints with its repr: "(rank 1 pid=...) Epoch 0: ..." (see execute).
         return "spare" if self._global_rank < 0 else f"rank {self._global_rank}"
 
     def node_info(self) -> NodeInfo:
@@ -103,10 +103,13 @@ class RayWorker:
         """
         self.finish_call()
         self._weights = []
-        self._global_rank = context.rank.global_rank  # a group re-formed after a lost node gives ranks again
-        if self._spare:
-            self._spare = False  # Ray's prefix of its lines stays "(spare pid=...)": this line names the rank
-            print(f"ray_lightning: this spare process (pid {os.getpid()}) is rank {self._global_rank} now", flush=True)
+        if context.rank.global_rank != self._global_rank:
+            # A spare taking a dead worker's place, or a group re-formed after a lost node: the driver prints this
+            # process's lines as "(rank N pid=...)" again, N its rank now (Ray read the name once, at the start).
+            if self._spare:
+                print(f"ray_lightning: this spare process (pid {os.getpid()}) is rank {context.rank.global_rank} now")
+            self._global_rank, self._spare = context.rank.global_rank, False
+            logs.name_this_actors_output(repr(self))
         self._niceness = context.niceness
         snapshot.forget()  # a failed fit's state, shared (or not needed) before this call was sent
         call = WorkerCall(context, self._store, self.started)
