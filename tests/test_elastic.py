@@ -133,6 +133,16 @@ def test_a_lost_nodes_reservation_placed_again_is_room_to_grow_into(monkeypatch)
     assert probed == [1], "the cluster is asked only for room beyond the group's own placed bundle"
 
 
+def test_growth_is_checked_at_a_steps_checkpoint_not_at_a_preemptions(monkeypatch):
+    import ray_lightning.launch.elastic as elastic
+
+    monkeypatch.setattr(elastic, "free_room", lambda request, most: most)  # the cluster holds what is asked
+    growth = Growth(ElasticSettings(2, 3, grow_check_interval_s=0), None, max_epochs=3, max_steps=-1)
+    assert growth.check(2, _Checkpoint(1, 6, "preemption: node draining")) is None  # that attempt stops anyway
+    error = growth.check(2, _Checkpoint(1, 6, "every 2 steps"))  # mid-epoch: the fit grows there
+    assert error is not None and error.size == 3 and "epoch 1, step 6, on 3" in str(error), error
+
+
 class LogsLearningRate(BoringModel):
     def __init__(self, batch_size: int = 8) -> None:
         super().__init__(lr=0.3, batch_size=batch_size, size=48)

@@ -4,8 +4,9 @@ Decisions:
 
 * A fit of ``(min, max)`` workers starts on as many as the cluster can place at once (at least ``min``;
   it waits for ``min`` within ``placement_timeout_s``), restarts on fewer after a lost node without
-  waiting for a replacement, and grows back toward ``max`` at an epoch's end (its recovery checkpoint) once
-  the cluster can hold more (checked at most every ``grow_check_interval_s``).
+  waiting for a replacement, and grows back toward ``max`` at a recovery checkpoint (an epoch's end, or every
+  ``recovery_checkpoint_every_n_steps`` steps) once the cluster can hold more (checked at most every
+  ``grow_check_interval_s``).
 * ``max`` is the reference size: the global batch and the learning rate the user wrote are those of
   ``max`` workers. ``batch_policy`` says what a resize does:
 

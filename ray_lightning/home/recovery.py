@@ -66,6 +66,7 @@ CALIBRATION_BATCHES = 8
 MAX_AGREE_EVERY = 1000  # batches: a bound however fast the steps
 
 EPOCH = "epoch boundary"
+PREEMPTION = "preemption"  # a checkpoint's reason starts with it when a notice asked for the checkpoint
 
 
 class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
@@ -131,7 +132,7 @@ class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
         step = trainer.global_step
         due = self._every_n_steps is not None and step % self._every_n_steps == 0 and step != self._last_step
         if self._request is not None:
-            self._send(trainer, f"preemption: {self._request}", preemption=True)
+            self._send(trainer, f"{PREEMPTION}: {self._request}", preemption=True)
         elif due:
             self._send(trainer, f"every {self._every_n_steps} steps")
 
@@ -140,7 +141,7 @@ class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
         # Every rank takes the epoch's checkpoint: one asked for and not yet agreed is this one (rank 0 says why).
         self._request = _join(self._request, self._pending)
         if self._request is not None:
-            self._send(trainer, f"preemption: {self._request}", preemption=True)
+            self._send(trainer, f"{PREEMPTION}: {self._request}", preemption=True)
         else:
             self._send(trainer, EPOCH)
 

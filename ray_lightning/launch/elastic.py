@@ -2,12 +2,14 @@
 
 A fit starts on as many workers as the cluster places at once (:func:`~.probes.reserve_elastic`, called by
 the launcher's ``_acquire_group``); after a lost node its restart does the same, so it goes on with fewer
-instead of waiting for a replacement. :class:`Growth` is the other way: whenever rank 0's recovery checkpoint
-of an epoch's end has arrived and the last check is ``grow_check_interval_s`` old, it asks the cluster whether
-more workers fit now (:func:`~.probes.free_room`); if so the attempt ends with
-:class:`~ray_lightning.errors.WorkersGrowError` and the fit restarts from that checkpoint on more workers
-(:mod:`.failures` restarts it without counting it against ``max_failures``). Not after the last epoch's
-checkpoint: nothing would be left to train.
+instead of waiting for a replacement. :class:`Growth` is the other way: whenever a recovery checkpoint of rank 0
+has arrived (an epoch's end, or every ``recovery_checkpoint_every_n_steps`` steps) and the last check is
+``grow_check_interval_s`` old, it asks the cluster whether more workers fit now (:func:`~.probes.free_room`); if so
+the attempt ends with :class:`~ray_lightning.errors.WorkersGrowError` and the fit restarts from that checkpoint on
+more workers (:mod:`.failures` restarts it without counting it against ``max_failures``). A step's checkpoint cuts
+its epoch in two: the rest of the epoch's data order is dealt over the new workers (:mod:`ray_lightning.data`, and
+a plain ``DataLoader``'s sampler), as after a lost node. Not after the last checkpoint of the fit: nothing would be
+left to train.
 
 On a cluster with an autoscaler, a fit running below ``max`` asks it for room for ``max`` workers
 (``ray.autoscaler.sdk.request_resources``: a lost spot node is replaced even though nothing is pending), and
@@ -26,7 +28,7 @@ from typing import Any
 from ray_lightning.config.elastic import ElasticSettings
 from ray_lightning.config.resources import WorkerResources
 from ray_lightning.errors import WorkersGrowError
-from ray_lightning.home.recovery import EPOCH
+from ray_lightning.home.recovery import PREEMPTION
 from ray_lightning.launch.autoscaler import find_autoscaler
 from ray_lightning.launch.probes import free_room
 
@@ -80,8 +82,8 @@ class Growth:
         """
         if size >= self.settings.max_workers or checkpoint is None or checkpoint is self._seen:
             return None
-        if checkpoint.reason != EPOCH:
-            return None  # at epoch boundaries: a step checkpoint's resize would cut an epoch in two
+        if checkpoint.reason.startswith(PREEMPTION):
+            return None  # the attempt stops for the notice; the restart after it places what the cluster holds
         self._seen = checkpoint
         if self._nothing_left(checkpoint) or time.monotonic() - self._checked_at < self.settings.grow_check_interval_s:
             return None

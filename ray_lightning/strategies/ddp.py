@@ -115,8 +115,9 @@ class RayStrategy(RayWorkersMixin):
             Default None (epoch boundaries only), or ``RAY_LIGHTNING_RECOVERY_CHECKPOINT_EVERY_N_STEPS``.
         batch_policy: with ``num_workers=(min, max)``, what a resize keeps: ``"keep_global_batch"`` (default: the
             global batch of ``max`` workers), ``"scale_lr"`` (learning rates x ``world_size / max``) or ``"leave"``.
-        grow_check_interval_s: with ``num_workers=(min, max)``, the least time between two checks (at epoch ends)
-            for room for more workers. Default 30 s.
+        grow_check_interval_s: with ``num_workers=(min, max)``, the least time between two checks (at recovery
+            checkpoints: epoch ends, and every ``recovery_checkpoint_every_n_steps``) for room for more workers.
+            Default 30 s.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` and from there to
             ``DistributedDataParallel`` (``find_unused_parameters=True``, ``static_graph=True``, ...).
 
