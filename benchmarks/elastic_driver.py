@@ -75,6 +75,12 @@ class ElasticSpec(Spec):
     def cluster_cpus(self) -> int:
         return self.workers
 
+    @property
+    def checkpoint_every(self) -> int:
+        """The elastic contender's ``recovery_checkpoint_every_n_steps``: a tenth of an epoch (at least 4 steps), so
+        that it grows within that many steps of the node's return instead of at the epoch's end."""
+        return max(4, self.train_size // self.global_batch // 10)
+
 
 class ElasticModule(TuneModule):
     """The Tune benchmark's MLP on its teacher-labelled data (:mod:`benchmarks.tune_workload`), with a fixed learning
@@ -304,12 +310,14 @@ CONTENDERS: dict[str, Contender] = {
     for c in (
         Contender(
             "elastic",
-            "ray_lightning RayStrategy(num_workers=(2, 3), batch_policy='keep_global_batch')",
+            "ray_lightning RayStrategy(num_workers=(2, 3), batch_policy='keep_global_batch', "
+            "recovery_checkpoint_every_n_steps=a tenth of an epoch)",
             _ray_lightning(
                 num_workers=lambda s: (s.min_workers, s.workers),
                 max_failures=lambda s: s.max_failures,
                 batch_policy="keep_global_batch",
                 grow_check_interval_s=0.0,
+                recovery_checkpoint_every_n_steps=lambda s: s.checkpoint_every,
             ),
         ),
         Contender(
