@@ -52,7 +52,6 @@ class RayWorker:
         # A stuck worker's stack can then be taken even where py-spy may not attach (launch.stacks).
         enable_signal_dump()
         self._global_rank = global_rank
-        self._spare = global_rank < 0  # a spare process (launch.worker_group): says which rank it takes
         self._store: Any = None  # the rendezvous rank 0 keeps open during a call
         # Modification times of the code files imported by the last call (see `reusable`).
         self._code_files: dict[str, float] = {}
@@ -106,9 +105,9 @@ class RayWorker:
         if context.rank.global_rank != self._global_rank:
             # A spare taking a dead worker's place, or a group re-formed after a lost node: the driver prints this
             # process's lines as "(rank N pid=...)" again, N its rank now (Ray read the name once, at the start).
-            if self._spare:
+            if self._global_rank < 0:  # a spare (launch.worker_group): says which rank it takes
                 print(f"ray_lightning: this spare process (pid {os.getpid()}) is rank {context.rank.global_rank} now")
-            self._global_rank, self._spare = context.rank.global_rank, False
+            self._global_rank = context.rank.global_rank
             logs.name_this_actors_output(repr(self))
         self._niceness = context.niceness
         snapshot.forget()  # a failed fit's state, shared (or not needed) before this call was sent

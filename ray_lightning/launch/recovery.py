@@ -35,6 +35,7 @@ from ray_lightning.config.restarts import RecoverySettings
 from ray_lightning.errors import RayWorkerError, WorkerPreemptedError
 from ray_lightning.home import driver_disk, files, landing, storage
 from ray_lightning.home.outbox import Outbox
+from ray_lightning.home.recovery import PREEMPTION
 from ray_lightning.launch import memory
 from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.failures import RESIZES, Failure, Kind
@@ -225,7 +226,7 @@ class Recovery:
         header, self._going_away = self._going_away, None
         if header is None or self.failures_restarted >= self.settings.max_failures:
             return None
-        reason = header["reason"].removeprefix("preemption: ")
+        reason = header["reason"].removeprefix(f"{PREEMPTION}: ")
         return WorkerPreemptedError(
             f"ray_lightning: {reason}; rank 0 took a recovery checkpoint at epoch {header['epoch']}, "
             f"step {header['global_step']}, and the workers move.",
