@@ -139,8 +139,41 @@ def test_growth_is_checked_at_a_steps_checkpoint_not_at_a_preemptions(monkeypatc
     monkeypatch.setattr(elastic, "free_room", lambda request, most: most)  # the cluster holds what is asked
     growth = Growth(ElasticSettings(2, 3, grow_check_interval_s=0), None, max_epochs=3, max_steps=-1)
     assert growth.check(2, _Checkpoint(1, 6, "preemption: node draining")) is None  # that attempt stops anyway
-    error = growth.check(2, _Checkpoint(1, 6, "every 2 steps"))  # mid-epoch: the fit grows there
-    assert error is not None and error.size == 3 and "epoch 1, step 6, on 3" in str(error), error
+    assert growth.check(2, _Checkpoint(1, 6, "every 2 steps")) is None  # the probe of the cluster starts
+    growth.wait_for_probe(10)
+    error = growth.check(2, _Checkpoint(1, 7, "every 2 steps"))  # mid-epoch: the fit grows there
+    assert error is not None and error.size == 3 and "epoch 1, step 7, on 3" in str(error), error
+
+
+def test_the_drivers_loop_goes_on_while_the_cluster_is_probed_for_room(monkeypatch):
+    """A probe that waits for Ray (seconds when there is no room) runs beside the loop that runs rank 0's calls;
+    its answer ends the attempt at a later message, from the newest checkpoint."""
+    import threading
+
+    import ray_lightning.launch.elastic as elastic
+
+    answer = threading.Event()
+    probed = []
+
+    def free_room(request, most):
+        probed.append(most)
+        assert answer.wait(30), "the test never let the probe answer"
+        return 1
+
+    monkeypatch.setattr(elastic, "free_room", free_room)
+    growth = Growth(ElasticSettings(2, 4, grow_check_interval_s=0), None, max_epochs=5, max_steps=-1)
+    assert growth.check(2, _Checkpoint(1, 4)) is None  # returned while the probe still waits for its answer
+    assert growth.check(2, _Checkpoint(1, 5)) is None and probed == [2], "one probe at a time"
+    answer.set()
+    growth.wait_for_probe(10)
+    assert growth.check(3, _Checkpoint(1, 6)) is None, "an answer for another size is not taken"
+    growth.wait_for_probe(10)  # the one that check started, for 3
+    assert growth.check(2, _Checkpoint(1, 7)) is None, "nor that one's for 2"
+    growth.wait_for_probe(10)
+    assert probed == [2, 1, 2]
+    error = growth.check(2, _Checkpoint(2, 8))
+    assert error is not None and error.size == 3 and "epoch 2, step 8, on 3" in str(error), error
+    growth.close()
 
 
 class LogsLearningRate(BoringModel):

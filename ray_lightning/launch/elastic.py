@@ -4,8 +4,12 @@ A fit starts on as many workers as the cluster places at once (:func:`~.probes.r
 the launcher's ``_acquire_group``); after a lost node its restart does the same, so it goes on with fewer
 instead of waiting for a replacement. :class:`Growth` is the other way: whenever a recovery checkpoint of rank 0
 has arrived (an epoch's end, or every ``recovery_checkpoint_every_n_steps`` steps) and the last check is
-``grow_check_interval_s`` old, it asks the cluster whether more workers fit now (:func:`~.probes.free_room`); if so
-the attempt ends with :class:`~ray_lightning.errors.WorkersGrowError` and the fit restarts from that checkpoint on
+``grow_check_interval_s`` old, it asks whether more workers fit now: first the fit's own bundles that Ray placed again
+after a lost node (read at once), else the cluster's free room (:func:`~.probes.free_room`, placement groups that
+take up to seconds to say no). That probe runs in a thread of its own: the driver's loop goes on running rank 0's
+calls meanwhile (a synchronous 2 s probe at every checkpoint once left the driver minutes behind the workers, and
+decided on a checkpoint 700 steps old). When room is found, the attempt ends with
+:class:`~ray_lightning.errors.WorkersGrowError` and the fit restarts from the newest checkpoint on
 more workers (:mod:`.failures` restarts it without counting it against ``max_failures``). A step's checkpoint cuts
 its epoch in two: the rest of the epoch's data order is dealt over the new workers (:mod:`ray_lightning.data`, and
 a plain ``DataLoader``'s sampler), as after a lost node. Not after the last checkpoint of the fit: nothing would be
@@ -21,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +36,7 @@ from ray_lightning.config.resources import WorkerResources
 from ray_lightning.errors import WorkersGrowError
 from ray_lightning.home.recovery import PREEMPTION
 from ray_lightning.launch.autoscaler import find_autoscaler
-from ray_lightning.launch.probes import free_room
+from ray_lightning.launch.probes import PROBE_S, free_room
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,8 @@ class Growth:
         self._seen: Any = None
         self._asked = False  # whether this call asked the autoscaler for room
         self._no_autoscaler = False
+        # The probe of the cluster's free room running in its thread: (thread, the size it is for, its answer).
+        self._probe: tuple[threading.Thread, int, list[int]] | None = None
 
     def ask_autoscaler(self, size: int) -> None:
         """Running on ``size`` workers: on a cluster with an autoscaler, ask it for room for the most (once)."""
@@ -65,7 +73,10 @@ class Growth:
         log.info("ray_lightning: asked the autoscaler for room for %d workers", self.settings.max_workers)
 
     def close(self) -> None:
-        """After the call: take back the autoscaler request, if this call made one."""
+        """After the call: wait for a probe still running (bounded: it removes its placement groups itself) and
+        take back the autoscaler request, if this call made one."""
+        self.wait_for_probe(PROBE_S * (math.ceil(math.log2(max(self.settings.max_workers, 2))) + 2))
+        self._probe = None
         if self._asked:
             from ray.autoscaler.sdk import request_resources
 
@@ -78,18 +89,26 @@ class Growth:
 
         ``checkpoint``: the newest recovery checkpoint (with ``epoch``, ``global_step`` and ``reason``), or None.
         ``spare``: bundles the running group holds placed but unused (after a lost node, placed again by Ray),
-        room that a probe for a new placement group cannot see.
+        room that a probe for a new placement group cannot see. Returns at once: a probe of the cluster's free
+        room answers at a later message.
         """
-        if size >= self.settings.max_workers or checkpoint is None or checkpoint is self._seen:
+        most = self.settings.max_workers - size
+        if most <= 0 or checkpoint is None:
             return None
         if checkpoint.reason.startswith(PREEMPTION):
             return None  # the attempt stops for the notice; the restart after it places what the cluster holds
-        self._seen = checkpoint
-        if self._nothing_left(checkpoint) or time.monotonic() - self._checked_at < self.settings.grow_check_interval_s:
+        if self._nothing_left(checkpoint):
             return None
-        self._checked_at = time.monotonic()
-        held = min(spare(), self.settings.max_workers - size)
-        extra = held + free_room(self.request, self.settings.max_workers - size - held)
+        extra = self._probed(size)
+        due = time.monotonic() - self._checked_at >= self.settings.grow_check_interval_s
+        if not extra and checkpoint is not self._seen and self._probe is None and due:
+            self._seen = checkpoint
+            self._checked_at = time.monotonic()
+            held = min(spare(), most)
+            if held:  # room now: the rest is asked for here, as the restart follows anyway
+                extra = held + free_room(self.request, most - held)
+            else:
+                self._start_probe(size, most)
         if not extra:
             return None
         return WorkersGrowError(
@@ -98,6 +117,33 @@ class Growth:
             f"recovery checkpoint at epoch {checkpoint.epoch}, step {checkpoint.global_step}, on {size + extra}.",
             size + extra,
         )
+
+    def _start_probe(self, size: int, most: int) -> None:
+        answer: list[int] = []
+
+        def probe() -> None:
+            try:
+                answer.append(free_room(self.request, most))
+            except Exception as error:  # noqa: BLE001 - a probe that fails finds no room; the next check asks again
+                log.warning("ray_lightning: asking the cluster for room to grow failed: %r", error)
+                answer.append(0)
+
+        thread = threading.Thread(target=probe, name="ray_lightning-grow-probe", daemon=True)
+        self._probe = (thread, size, answer)
+        thread.start()
+
+    def _probed(self, size: int) -> int:
+        """The answer of a probe that has finished (taken once), for a group of ``size`` workers; else 0."""
+        if self._probe is None or self._probe[0].is_alive():
+            return 0
+        _, probed_for, answer = self._probe
+        self._probe = None
+        return answer[0] if answer and probed_for == size else 0
+
+    def wait_for_probe(self, timeout_s: float) -> None:
+        """Until a running probe of the cluster's free room has answered (at most ``timeout_s``)."""
+        if self._probe is not None:
+            self._probe[0].join(timeout_s)
 
     def _nothing_left(self, checkpoint: Any) -> bool:
         # An epoch's checkpoint names the epoch after it; a step's, the epoch it is in.

@@ -38,7 +38,7 @@ from ray_lightning import _lightning, namespaces
 from ray_lightning.channel.worker_output import output_sync
 from ray_lightning.config.elastic import ElasticSettings
 from ray_lightning.environment import RayEnvironment
-from ray_lightning.errors import RayWorkerError, WorkerDiedError, WorkerHangError
+from ray_lightning.errors import RayWorkerError, WorkerDiedError, WorkerHangError, WorkersGrowError
 from ray_lightning.home import files, landing, loggers, storage
 from ray_lightning.home.optimizers import left_on_driver
 from ray_lightning.home.outbox import new_home, remove_sent
@@ -343,8 +343,8 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
         """What arrives after a worker failed: a recovery checkpoint rank 0 sent, the failed rank's output."""
         if call.recovery.enabled:
             _take_last_checkpoint(channel)
-        if not isinstance(error, (WorkerHangError, WorkerDiedError)):
-            # A stuck rank writes no marker, nor does a dead one.
+        if not isinstance(error, (WorkerHangError, WorkerDiedError, WorkersGrowError)):
+            # A stuck rank writes no marker, nor does a dead one; nor a growing fit's, which trains on until stopped.
             wait_for_output(settings, [error.rank], _FAILED_OUTPUT_WAIT_S)
 
     def _release(self, group: WorkerGroup) -> None:
