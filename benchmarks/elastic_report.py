@@ -21,6 +21,7 @@ METRICS = (
     Metric("absence_s", "node away (loss → added back), s", ".1f"),
     Metric("recovery_s", "loss → training again, s", ".1f"),
     Metric("grow_s", "node back → training on 3, s", ".1f"),
+    Metric("decide_s", "node joined → grow decided (RayStrategy), s", ".1f"),
     Metric("samples_percent", "samples trained, % of the fixed number", ".1f"),
     Metric("other_load_cores", "machine's other load, cores", ".2f"),
 )
@@ -48,6 +49,12 @@ def metrics(result: dict[str, Any], spec: dict[str, Any], reference_acc: float |
     trained = sum(a.get("samples", 0) for a in attempts)
     recovery = _first_after(attempts, lost["t"]) if lost else None
     grow = _first_after(attempts, back["t"], spec["workers"]) if back else None
+    # When the driver decided to grow (RayStrategy's Restart.failed_at), from when the node had joined Ray.
+    grows = [
+        r["failed_at"]
+        for r in result.get("restarts", [])
+        if back and r["reason"] == "grow" and r["failed_at"] >= back["t"]
+    ]
     return {
         "fit_s": result["fit_s"],
         "acc": result["acc"],
@@ -56,6 +63,7 @@ def metrics(result: dict[str, Any], spec: dict[str, Any], reference_acc: float |
         "absence_s": result.get("absence_s"),
         "recovery_s": recovery - lost["t"] if recovery is not None else None,
         "grow_s": grow - back["t"] if grow is not None else None,
+        "decide_s": grows[0] - back["done"] if grows else None,
         "samples_percent": trained / samples * 100 if trained else None,
         "other_load_cores": result.get("other_load_cores"),
     }

@@ -33,8 +33,10 @@ def test_the_final_error_names_every_failure(tmp_path):
     recovery = Recovery(RecoverySettings(max_failures=1), WriteScope(), history=history)
     node = NodeInfo("node-2", "10.0.0.2", 4711, [])
     first = WorkerDiedError("ray_lightning worker rank 1 (node 10.0.0.2) died unexpectedly", rank=1)
-    restart = recovery.record_restart(Failure(Kind.WORKER_DIED, first, 1, node))
+    failure = Failure(Kind.WORKER_DIED, first, 1, node)
+    restart = recovery.record_restart(failure)
     assert (restart.number, restart.rank, restart.node, restart.reason) == (1, 1, "10.0.0.2", "worker died")
+    assert restart.failed_at == failure.at, "when the driver learned of it, not when the restart was recorded"
     second = WorkerDiedError("ray_lightning worker rank 0 (node 10.0.0.3) died unexpectedly", rank=0)
     final = recovery.final_error(second)
     assert type(final) is WorkerDiedError and final.rank == 0 and final.failures == [str(first)]

@@ -29,8 +29,9 @@ Decisions:
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -86,12 +87,14 @@ RESTARTABLE = frozenset(
 
 @dataclass(frozen=True)
 class Failure:
-    """Why an attempt ended: ``error`` is what the driver raises if no restart follows."""
+    """Why an attempt ended: ``error`` is what the driver raises if no restart follows; ``at``: when the driver
+    learned of it (``time.time()``)."""
 
     kind: Kind
     error: BaseException
     rank: int = -1
     node: NodeInfo | None = None
+    at: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True)

@@ -329,9 +329,10 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
             wait_for_output(settings, [r.global_rank for r in group.ranks], _OUTPUT_WAIT_S)
             return Attempt(group, outputs, nodes, staging, watchdog=watchdog)
         except Exception as error:  # noqa: BLE001 - every failure becomes the attempt's record, decided on next
+            learned = time.time()  # before the waits for what the workers sent
             if isinstance(error, RayWorkerError) and channel is not None:
                 self._after_worker_error(error, channel, settings, call)
-            failure = classify(error, nodes, alive_node_ids(), self._strategy.collective_errors)
+            failure = replace(classify(error, nodes, alive_node_ids(), self._strategy.collective_errors), at=learned)
             return Attempt(group, None, nodes, staging, failure)
         except BaseException:
             group.shutdown()

@@ -249,7 +249,7 @@ class Recovery:
         """Log and record the restart that follows ``failure`` (:func:`~.failures.decide` chose it) on
         ``world_size`` workers; ``survivors``: the actors it keeps, whose state it may go on from; ``spares``: the
         spare processes that took dead workers' places."""
-        failed_at = time.time()
+        failed_at = failure.at  # not now: the salvage or the new placement came in between
         if self.checkpoint_run is not None:
             # Rank 0 may have completed a checkpoint and died before its word reached this process.
             found = storage.newest_complete(self.checkpoint_run)
