@@ -82,15 +82,18 @@ class WorkersGrowError(RayWorkerError):
 
     Raised on the driver once rank 0's recovery checkpoint arrived and the cluster can hold ``size`` workers;
     the fit goes on from that checkpoint on them (``trainer.strategy.restarts`` records it, ``max_failures``
-    does not count it). Never reaches the user.
+    does not count it). Never reaches the user. ``into_held``: the room is the fit's own bundles, placed again
+    after a lost node, and the workers hold their state in memory: the running processes stop their call at a step
+    and go on from there, newcomers beside them.
     """
 
-    def __init__(self, message: str, size: int) -> None:
+    def __init__(self, message: str, size: int, into_held: bool = False) -> None:
         super().__init__(message, rank=0)
         self.size = size
+        self.into_held = into_held
 
     def __reduce__(self) -> tuple:
-        return (type(self), (str(self), self.size), {"failures": self.failures})
+        return (type(self), (str(self), self.size, self.into_held), {"failures": self.failures})
 
 
 class StorageError(OSError):

@@ -137,7 +137,8 @@ def test_losing_a_node_without_max_failures_fails_naming_the_rank(three_worker_n
 
 class CountsSamples(BoringModel):
     """Writes what each micro-batch trained (epoch, step, sample ids, world size, attempt) into ``directory``;
-    rank 0 waits at ``waits[(attempt, epoch, batch_idx)]`` for the test to change the cluster (bounded)."""
+    rank 0 waits at ``waits[(attempt, epoch, batch_idx)]`` for the test to change the cluster (bounded); ``batch_idx``
+    None: at the attempt's first batch of that epoch."""
 
     def __init__(self, directory: str, waits: dict, size: int = 96):
         super().__init__(size=size)
@@ -147,7 +148,9 @@ class CountsSamples(BoringModel):
         from ray_lightning import runtime
 
         attempt = runtime.current_context().recovery.attempt
-        wait = self.waits.get((attempt, self.current_epoch, batch_idx)) if self.global_rank == 0 else None
+        epoch = self.current_epoch
+        wait = self.waits.get((attempt, epoch, batch_idx)) or self.waits.pop((attempt, epoch, None), None)
+        wait = wait if self.global_rank == 0 else None
         if wait is not None:
             asked, answered = (os.path.join(self.directory, name) for name in wait)
             with open(asked + ".partial", "w") as f:
@@ -180,7 +183,17 @@ def _trained(directory, restarts) -> list[dict]:
     return [r for r in records if r["step"] < ends[r["attempt"]]]
 
 
-def test_an_elastic_fit_starts_on_two_grows_to_three_and_goes_on_with_two_after_a_loss(three_worker_nodes, tmp_path):
+def _own_bundles_placed_again() -> bool:
+    """Whether Ray placed every bundle of the fit's placement group again (the only group of this cluster's)."""
+    from ray.util.placement_group import placement_group_table
+
+    groups = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
+    return len(groups) == 1 and groups[0]["state"] == "CREATED" and len(groups[0]["bundles"]) == 3
+
+
+def test_an_elastic_fit_grows_to_three_shrinks_to_two_after_a_loss_and_grows_back_in_its_processes(
+    three_worker_nodes, tmp_path
+):
     cluster = three_worker_nodes
     spare = next(n for n in cluster.worker_nodes if n.node_id != ray.get_runtime_context().get_node_id())
     cluster.remove_node(spare)
@@ -190,8 +203,15 @@ def test_an_elastic_fit_starts_on_two_grows_to_three_and_goes_on_with_two_after_
     # Epoch 0 starts on 2 workers (rank 0 waits at its 2nd batch for a third node) and goes on on 3 after the growth
     # at the checkpoint of step 2, mid-epoch; in epoch 1 a node other than rank 0's is lost at step 5 (rank 0 goes on
     # once it is removed). The checkpoints are written beside training: on two, rank 0 waits in the step after the
-    # checkpoint (its 6th micro-batch: 2 per step) until the driver has grown the fit.
-    waits = {(0, 0, 1): ("add", "added"), (0, 0, 5): ("grow", "grown"), (1, 1, 1): ("remove", "removed")}
+    # checkpoint (its 6th micro-batch: 2 per step) until the driver has grown the fit. On two again, rank 0 waits at
+    # its first batch until a node is back and Ray placed the lost bundle there: the fit grows into it at the next
+    # checkpoint, the two running processes leave their call at a batch's start and go on from their memory.
+    waits = {
+        (0, 0, 1): ("add", "added"),
+        (0, 0, 5): ("grow", "grown"),
+        (1, 1, 1): ("remove", "removed"),
+        (2, 1, None): ("back", "placed"),
+    }
     strategy = RayStrategy(
         num_workers=(2, 3),
         resources_per_worker=SLOT,
@@ -219,25 +239,36 @@ def test_an_elastic_fit_starts_on_two_grows_to_three_and_goes_on_with_two_after_
         lost = next(n for n in cluster.worker_nodes if n.node_id != rank_zero_node)
         cluster.remove_node(lost)  # its processes are killed
         (seen / "removed").touch()
+    wait_for(lambda: (seen / "back").exists() or not fit.is_alive(), 300, "rank 0 to ask for a node back")
+    if fit.is_alive():
+        cluster.add_node(num_cpus=1, resources={"slot": 1})
+        wait_for(_own_bundles_placed_again, 60, "Ray to place the lost bundle on the node that is back")
+        (seen / "placed").touch()
     fit.join(timeout=600)
     assert not fit.is_alive() and not errors, errors
 
-    grow, loss = trainer.strategy.restarts
+    grow, loss, regrow = trainer.strategy.restarts
     assert (grow.reason, grow.world_size, grow.epoch, grow.global_step) == ("grow", 3, 0, 2), grow
     assert loss.reason != "grow" and loss.world_size == 2, loss
     # The survivors went on from their memory, in their processes: the step in flight (5, or 6 where the lost
     # node's worker was still there for step 5) was the only work lost.
     assert (loss.source, loss.epoch, loss.steps_lost) == ("memory", 1, 0) and loss.global_step in (5, 6), loss
-    assert trainer.world_size == 2 and trainer.global_step == 12  # 4 steps an epoch on 3 and on 2 workers
+    # Grown back into the fit's own bundle from the running processes' memory: nothing trained twice.
+    assert (regrow.reason, regrow.world_size, regrow.source, regrow.steps_lost) == ("grow", 3, "memory", 0), regrow
+    assert regrow.global_step > loss.global_step, (loss, regrow)
+    assert trainer.world_size == 3 and trainer.global_step == 12  # 4 steps an epoch on 3 and on 2 workers
     assert not torch.equal(model.layer.weight, before)
     trained = _trained(seen, trainer.strategy.restarts)
     lines = {path.name: [json.loads(line) for line in path.read_text().splitlines()] for path in seen.glob("ids-*")}
-    pids = {a: {name for name, records in lines.items() if any(r["attempt"] == a for r in records)} for a in (1, 2)}
+    pids = {a: {name for name, records in lines.items() if any(r["attempt"] == a for r in records)} for a in (1, 2, 3)}
     # The attempt after the loss runs in the survivors' processes; one still inside the broken step after 5 s is
     # replaced (here the lost node's process can outlive its raylet for a while, holding its connections open).
     assert len(pids[1]) == 3 and len(pids[2]) == 2 and pids[2] & pids[1], "a survivor's process went on"
+    assert len(pids[3]) == 3 and pids[2] < pids[3], "the grow kept both running processes and added one"
     assert [r["world"] for r in sorted(trained, key=lambda r: r["step"]) if r["epoch"] == 0] == [2] * 8 + [3] * 6
-    assert {r["world"] for r in trained} == {2, 3}
+    # On two from the loss to the grow (decided at a checkpoint, the ranks left at a later batch), then on three.
+    assert {r["world"] for r in trained if loss.global_step <= r["step"] < regrow.global_step} == {2}
+    assert {r["world"] for r in trained if r["step"] >= regrow.global_step} == {3}
     for epoch in range(3):
         ids = sorted(i for r in trained if r["epoch"] == epoch for i in r["ids"])
         assert ids == list(range(96)), f"epoch {epoch}: every sample once"

@@ -69,6 +69,19 @@ class SnapshotHeader:
 _held: tuple[SnapshotHeader, dict[str, Any] | None] | None = None
 
 
+class CallInterrupted(RuntimeError):
+    """Raised in every rank at a training batch's start once the driver cancelled the call (``ray.cancel``): the fit
+    leaves it as after a peer's death, each rank's state at its last completed step kept for the next call."""
+
+
+def _interrupted() -> bool:
+    """Whether the driver cancelled the call this process runs (a flag Ray sets; read per batch, a few µs)."""
+    try:
+        return ray.get_runtime_context().is_canceled()
+    except RuntimeError:  # not in a Ray worker's task (a Trainer in a test's own process)
+        return False
+
+
 class MemorySnapshot(*namespaces.every("callbacks.Callback")):
     """On every rank of a replicated fit that may restart: keeps its state when the fit fails inside a training
     batch (see the module docstring)."""
@@ -85,6 +98,8 @@ class MemorySnapshot(*namespaces.every("callbacks.Callback")):
         self._in_batch = True
         if _lightning.batches_processed(trainer) % max(1, trainer.accumulate_grad_batches) == 0:
             self._random_states = random_states()  # where a resumed run starts: the first batch of a step
+        if _interrupted():  # the driver ended the call (an elastic fit grows): leave it here, state kept
+            raise CallInterrupted(f"ray_lightning: the driver interrupted this fit at step {trainer.global_step}")
 
     @override
     def on_train_batch_end(

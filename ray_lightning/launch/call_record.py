@@ -124,7 +124,7 @@ def stop_check(call: DriverCall, size: int, spare: Callable[[], int]) -> Callabl
     def stop() -> RayWorkerError | None:
         error = call.recovery.stop_for_preemption()
         if error is None and call.growth is not None:
-            return call.growth.check(size, call.recovery.latest, spare)
+            return call.growth.check(size, call.recovery.latest, spare, call.recovery.from_memory)
         return error
 
     return stop

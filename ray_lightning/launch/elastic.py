@@ -84,13 +84,16 @@ class Growth:
                 request_resources(bundles=[])
             self._asked = False
 
-    def check(self, size: int, checkpoint: Any, spare: Callable[[], int] = lambda: 0) -> WorkersGrowError | None:
+    def check(
+        self, size: int, checkpoint: Any, spare: Callable[[], int] = lambda: 0, in_memory: bool = False
+    ) -> WorkersGrowError | None:
         """After a message from the workers: the error that ends the attempt to grow from ``size`` workers, or None.
 
         ``checkpoint``: the newest recovery checkpoint (with ``epoch``, ``global_step`` and ``reason``), or None.
         ``spare``: bundles the running group holds placed but unused (after a lost node, placed again by Ray),
         room that a probe for a new placement group cannot see. Returns at once: a probe of the cluster's free
-        room answers at a later message.
+        room answers at a later message. ``in_memory``: every rank holds the fit's state (DDP, Horovod); a grow into
+        ``spare`` bundles alone then keeps the running processes (:attr:`WorkersGrowError.into_held`).
         """
         most = self.settings.max_workers - size
         if most <= 0 or checkpoint is None:
@@ -99,7 +102,7 @@ class Growth:
             return None  # the attempt stops for the notice; the restart after it places what the cluster holds
         if self._nothing_left(checkpoint):
             return None
-        extra = self._probed(size)
+        extra, held = self._probed(size), 0
         due = time.monotonic() - self._checked_at >= self.settings.grow_check_interval_s
         if not extra and checkpoint is not self._seen and self._probe is None and due:
             self._seen = checkpoint
@@ -111,11 +114,17 @@ class Growth:
                 self._start_probe(size, most)
         if not extra:
             return None
+        into_held = in_memory and 0 < held == extra
+        where = (
+            "the running workers' next step, with new ones beside them"
+            if into_held
+            else f"the recovery checkpoint at epoch {checkpoint.epoch}, step {checkpoint.global_step}"
+        )
         return WorkersGrowError(
-            f"ray_lightning: the cluster can hold {size + extra} workers now (num_workers="
-            f"({self.settings.min_workers}, {self.settings.max_workers}), {size} running); the fit goes on from the "
-            f"recovery checkpoint at epoch {checkpoint.epoch}, step {checkpoint.global_step}, on {size + extra}.",
+            f"ray_lightning: the cluster can hold {size + extra} workers now (num_workers=({self.settings.min_workers},"
+            f" {self.settings.max_workers}), {size} running); the fit goes on from {where}, on {size + extra}.",
             size + extra,
+            into_held,
         )
 
     def _start_probe(self, size: int, most: int) -> None:

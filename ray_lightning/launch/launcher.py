@@ -3,21 +3,19 @@
 For every ``fit``/``validate``/``test``/``predict`` it
 
 1. connects to Ray (a local one is started if none is running) (:mod:`.session`),
-2. enters the callbacks' driver hooks (a ``fit`` given no ``ckpt_path`` resumes from the checkpoint a
-   restored Tune trial started with), puts the Trainer, the module and the arguments into the object
-   store once (:mod:`.payload`),
-3. takes the workers the last call of this process left waiting, if they match (:mod:`.idle_pool`);
-   otherwise reserves the request, waiting while the autoscaler adds nodes (:mod:`.placement`), and
-   starts one actor per worker (:mod:`.worker_group`),
-4. runs an *attempt* (:meth:`RayLauncher._attempt`): learns where each worker landed, has rank 0 open
-   the rendezvous the strategy asks for, gives each worker its rank, device and environment
-   (:mod:`.contexts`), and waits for all of them without polling, meanwhile running what rank 0 sends
-   to the driver (the progress bar, Tune reports) (:mod:`.poll`). An attempt returns one
-   :class:`~.call_record.Attempt`: its outputs, or the :class:`~.failures.Failure` that ended it,
+2. enters the callbacks' driver hooks (a ``fit`` given no ``ckpt_path`` resumes from the checkpoint a restored
+   Tune trial started with), puts the Trainer, module and arguments into the object store once (:mod:`.payload`),
+3. takes the workers the last call of this process left waiting, if they match (:mod:`.idle_pool`); otherwise reserves
+   the request, waiting while the autoscaler adds nodes (:mod:`.placement`), and starts one actor per worker
+   (:mod:`.worker_group`),
+4. runs an *attempt* (:meth:`RayLauncher._attempt`): learns where each worker landed, has rank 0 open the
+   rendezvous the strategy asks for, gives each worker its rank, device and environment (:mod:`.contexts`), and
+   waits for all of them without polling, meanwhile running what rank 0 sends to the driver (the progress bar,
+   Tune reports) (:mod:`.poll`); it returns its outputs, or the :class:`~.failures.Failure` that ended it,
 5. after a failure, :func:`~.failures.decide` says whether the workers start again (``max_failures``),
    from rank 0's newest recovery checkpoint (:mod:`.recovery`), or the failure is raised,
-6. copies rank 0's results and files onto the driver's Trainer (:mod:`ray_lightning.home`), and the
-   weights the workers still hold, asking for them a chunk at a time (:func:`~.bring_home.weight_chunks`),
+6. copies rank 0's results and files onto the driver's Trainer (:mod:`ray_lightning.home`), and the weights the
+   workers hold, a chunk at a time (:func:`~.bring_home.weight_chunks`),
 7. leaves the workers waiting for the next call (``keep_workers_alive_s``), or stops them.
 """
 
@@ -227,23 +225,25 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
         """Raise the failure, or return the group the next attempt runs on."""
         failure = attempt.failure
         assert failure is not None
+        grow = decision.keep_processes and isinstance(failure.error, WorkersGrowError)
+        if grow:  # into the fit's own bundles (launch.elastic): every rank leaves the call at its next batch
+            attempt.group.interrupt(SALVAGE_WAIT_S)
         if not decision.keep_processes and failure.kind not in ENDS_ITSELF:
             attempt.group.shutdown()  # the workers are well (a drain, a hang): stopped, or they would train on
-        # Rank 0's files since its last recovery checkpoint, on a node that is gone, are lost: the restart goes back
-        # to that checkpoint, which the files here match (from the survivors' memory, the log would miss steps).
+        # Rank 0's files since its last recovery checkpoint, on a node that is gone, are lost: the restart goes back to
+        # it, which the files here match (from the survivors' memory, the log would miss steps).
         files_lost = attempt.staging is not None and not self._fetch_staged_files(attempt.staging, call, attempt.group)
         if not decision.keep_processes:
             attempt.group.shutdown()
         if not decision.restart:
-            final = call.recovery.final_error(failure.error)
-            raise final from failure.error.__cause__
+            raise call.recovery.final_error(failure.error) from failure.error.__cause__
         group = None
         if decision.keep_processes:
             # A worker died or a node was lost: the others' processes go on where they can (launch.worker_group).
             try:
                 elastic = self._strategy.workers.elastic if call.growth is not None else None
                 placed_wait_s = min(self._strategy.workers.timeouts.placement_s, PLACED_AGAIN_WAIT_S)
-                group = attempt.group.salvage(SALVAGE_WAIT_S, elastic and elastic.min_workers, placed_wait_s)
+                group = attempt.group.salvage(SALVAGE_WAIT_S, elastic and elastic.min_workers, placed_wait_s, grow)
             except BaseException:
                 attempt.group.shutdown()
                 raise

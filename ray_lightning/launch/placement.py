@@ -76,11 +76,15 @@ class Placement:
     def spare_placed(self) -> int:
         """Bundles of this launch's own group that no worker uses and that are placed on alive nodes: room a group
         that went on without a lost node's bundles has again once Ray placed them anew (the elastic growth's)."""
+        return len(self.placed_unused())
+
+    def placed_unused(self) -> list[tuple[int, str]]:
+        """(bundle, node) of the bundles :meth:`spare_placed` counts, in bundle order."""
         read = self._read() if self.owned else None
         if read is None:
-            return 0
+            return []
         where, _, alive = read
-        return sum(1 for bundle, node in where.items() if bundle not in self.bundles and node in alive)
+        return sorted((b, node) for b, node in where.items() if b not in self.bundles and node in alive)
 
     def release(self) -> None:
         """Give the reservation back, if it is this launch's own."""

@@ -1,10 +1,9 @@
 """The actors of a launch: started in a placement, run a call, shut down.
 
-A :class:`WorkerGroup` owns its actors, its driver channel and (when it is its own) its placement
-group. :meth:`WorkerGroup.shutdown` is the one clean-up path: for a group that failed half-way
-through starting, for one whose call failed, for one stopped by Ctrl-C, and for an idle one that
-expired. Startup failures have their own types: :class:`~ray_lightning.errors.WorkerStartupError`
-(an actor died before running the call) and :class:`~ray_lightning.errors.WorkerStartupTimeoutError`.
+A :class:`WorkerGroup` owns its actors, its driver channel and (when it is its own) its placement group.
+:meth:`WorkerGroup.shutdown` is the one clean-up path: for a group that failed half-way through starting, whose call
+failed, stopped by Ctrl-C, or idle and expired. Startup failures have their own types (:class:`~ray_lightning.errors.
+WorkerStartupError`: an actor died before running the call; :class:`~ray_lightning.errors.WorkerStartupTimeoutError`).
 
 A fit that may restart keeps one *spare* worker process per node (:meth:`WorkerGroup.keep_spares`): an actor that
 reserves nothing, started while the fit trains, whose imports (torch, Lightning: seconds) are done when a worker
@@ -40,9 +39,8 @@ from ray_lightning.runtime import WorkerContext
 
 log = logging.getLogger(__name__)
 
-# The rendezvous (TCPStore, Horovod's Gloo) waits this many times worker_start_timeout_s for every
-# rank to arrive: longer than the watchdog's startup bound, so a rank stuck before it (in init_hook)
-# is named by the watchdog instead of surfacing as its peers' rendezvous timeout.
+# The rendezvous (TCPStore, Horovod's Gloo) waits this many times worker_start_timeout_s for every rank to arrive:
+# longer than the watchdog's startup bound, so a rank stuck before it (in init_hook) is named by the watchdog.
 RENDEZVOUS_TIMEOUT_FACTOR = 2.0
 # How often a group that lost a node reads whether Ray placed its bundles again (salvage's placed_wait_s).
 PLACED_POLL_S = 0.5
@@ -143,7 +141,9 @@ class WorkerGroup:
                 ray.kill(actor, no_restart=True)
         self.spares = {}
 
-    def salvage(self, wait_s: float, min_workers: int | None = None, placed_wait_s: float = 0.0) -> WorkerGroup | None:
+    def salvage(
+        self, wait_s: float, min_workers: int | None = None, placed_wait_s: float = 0.0, grow: bool = False
+    ) -> WorkerGroup | None:
         """After a worker or node was lost in a call: this group, with new workers for those that cannot go on.
 
         The workers that came out of the broken call (their collectives failed with the peer's death)
@@ -155,7 +155,8 @@ class WorkerGroup:
         does not wait, it goes on without the workers whose bundles are not placed, as long as ``min_workers``
         are left. Ranks are given again from where the workers are. None, with the group shut down, when no
         worker is left to keep or the bundles stay unplaced (the restart then starts a new group wherever the
-        cluster can hold it).
+        cluster can hold it). ``grow``: an elastic fit grows into its own bundles that Ray placed again (its call
+        ended by :meth:`interrupt`): a new worker starts in each.
         """
         self._let_go_ended()
         self.spares_taken = 0
@@ -164,6 +165,8 @@ class WorkerGroup:
         if not kept:
             self.shutdown()
             return None
+        if grow:
+            self._add_placed()
         running = kept
         replaced: set[int] = set()
         for timeout in (0, wait_s):  # the dead ones' processes start first, then the stuck ones'
@@ -209,6 +212,26 @@ class WorkerGroup:
         self.placement.nodes = [node for node in now if node is not None]
         self.ranks = assign_ranks(self.placement.nodes)
         return [running[i] for i in keep]
+
+    def interrupt(self, wait_s: float) -> None:
+        """Cancel the running call; wait (``wait_s`` at most) until every rank left it, each that did letting go of
+        its process group at once, so that one in a collective with it fails too instead of waiting for it."""
+        for ref in self._running:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            self._let_go_ended()
+            if len(ray.wait(self._running, num_returns=len(self._running), timeout=0.1)[0]) == len(self._running):
+                return
+
+    def _add_placed(self) -> None:
+        """A worker in each of the group's own bundles that Ray placed again and no worker uses; ranks given again."""
+        for bundle, node in self.placement.placed_unused():
+            self.placement.bundles.append(bundle)
+            self.placement.nodes.append(node)
+        self.ranks = assign_ranks(self.placement.nodes)
+        self.actors += [self._new_actor(i) for i in range(len(self.actors), len(self.ranks))]
 
     def came_out(self, global_rank: int, wait_s: float) -> Any | None:
         """After a failed call: the actor of ``global_rank`` if its process comes out of the call alive within
@@ -263,10 +286,8 @@ class WorkerGroup:
         return self.infos
 
     def open_rendezvous(self, rendezvous: Rendezvous, nodes_by_rank: list[str], timeout_s: float) -> RendezvousPoint:
-        """Have rank 0 open the rendezvous within ``timeout_s``; returns where the workers meet.
-
-        The rendezvous itself waits ``RENDEZVOUS_TIMEOUT_FACTOR`` times longer for the ranks to arrive.
-        """
+        """Have rank 0 open the rendezvous within ``timeout_s``; returns where the workers meet (the rendezvous
+        itself waits ``RENDEZVOUS_TIMEOUT_FACTOR`` times longer for the ranks to arrive)."""
         rank_zero = next(i for i, r in enumerate(self.ranks) if r.global_rank == 0)
         wait_s = timeout_s * RENDEZVOUS_TIMEOUT_FACTOR
         ref = self.actors[rank_zero].open_rendezvous.remote(rendezvous, nodes_by_rank, wait_s)
@@ -290,14 +311,8 @@ class WorkerGroup:
 
     def _dead_rank(self, refs: list[Any], actors: list[int]) -> int:
         """The global rank of the first actor whose startup call failed."""
-        for ref, i in zip(refs, actors):
-            try:
-                ray.get(ref, timeout=0)
-            except RayActorError:
-                return self.ranks[i].global_rank
-            except Exception:  # noqa: BLE001 - a timeout or other error: not this one
-                continue
-        return self.ranks[actors[0]].global_rank
+        dead = next((i for ref, i in zip(refs, actors) if ray.wait([ref], timeout=0)[0] and _died(ref)), actors[0])
+        return self.ranks[dead].global_rank
 
     def run(
         self,
