@@ -176,6 +176,27 @@ def test_the_drivers_loop_goes_on_while_the_cluster_is_probed_for_room(monkeypat
     growth.close()
 
 
+def test_a_fit_held_in_memory_grows_into_its_own_bundles_once_their_workers_are_up(monkeypatch):
+    """DDP's ranks hold the state: the grow into the fit's own bundles placed again waits for the workers started
+    there (counted by ``spare``), not for a new checkpoint nor for ``grow_check_interval_s``, and keeps the running
+    processes (``into_held``)."""
+    import ray_lightning.launch.elastic as elastic
+
+    monkeypatch.setattr(elastic, "HELD_POLL_S", 0.0)
+    monkeypatch.setattr(elastic, "free_room", lambda request, most: 0)
+    up = [0]
+    growth = Growth(ElasticSettings(2, 3, grow_check_interval_s=3600), None, max_epochs=3, max_steps=-1)
+    checkpoint = _Checkpoint(1, 4)
+    assert growth.check(2, checkpoint, lambda: up[0], in_memory=True) is None  # its worker is still starting
+    up[0] = 1
+    error = growth.check(2, checkpoint, lambda: up[0], in_memory=True)
+    assert error is not None and error.size == 3 and error.into_held and "next step" in str(error), error
+    sharded = Growth(ElasticSettings(2, 3, grow_check_interval_s=0), None, max_epochs=3, max_steps=-1)
+    error = sharded.check(2, checkpoint, lambda: 1, in_memory=False)  # from the checkpoint, in new processes
+    assert error is not None and not error.into_held and "step 4, on 3" in str(error), error
+    growth.close()
+
+
 class LogsLearningRate(BoringModel):
     def __init__(self, batch_size: int = 8) -> None:
         super().__init__(lr=0.3, batch_size=batch_size, size=48)

@@ -105,6 +105,12 @@ class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
         trainer.callbacks.append(self)
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The step the fit starts at (0, or a resumed one) is not a step's checkpoint: with accumulate_grad_batches,
+        # one after its first micro-batch would hold a position past samples whose gradients it does not hold.
+        self._last_step = trainer.global_step
+
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:

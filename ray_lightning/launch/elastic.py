@@ -38,6 +38,10 @@ from ray_lightning.home.recovery import PREEMPTION
 from ray_lightning.launch.autoscaler import find_autoscaler
 from ray_lightning.launch.probes import PROBE_S, free_room
 
+# How often a fit whose ranks hold its state asks about its own bundles placed again (a read of Ray's tables; the
+# grow into them goes on from memory, so it waits for no checkpoint).
+HELD_POLL_S = 1.0
+
 log = logging.getLogger(__name__)
 
 
@@ -52,6 +56,7 @@ class Growth:
         self.max_epochs = max_epochs
         self.max_steps = max_steps
         self._checked_at = float("-inf")
+        self._held_at = float("-inf")
         self._seen: Any = None
         self._asked = False  # whether this call asked the autoscaler for room
         self._no_autoscaler = False
@@ -93,7 +98,8 @@ class Growth:
         ``spare``: bundles the running group holds placed but unused (after a lost node, placed again by Ray),
         room that a probe for a new placement group cannot see. Returns at once: a probe of the cluster's free
         room answers at a later message. ``in_memory``: every rank holds the fit's state (DDP, Horovod); a grow into
-        ``spare`` bundles alone then keeps the running processes (:attr:`WorkersGrowError.into_held`).
+        ``spare`` bundles alone then keeps the running processes (:attr:`WorkersGrowError.into_held`), and ``spare``
+        counts a bundle once the worker started in it meanwhile is up (:mod:`.standby`).
         """
         most = self.settings.max_workers - size
         if most <= 0 or checkpoint is None:
@@ -102,12 +108,14 @@ class Growth:
             return None  # the attempt stops for the notice; the restart after it places what the cluster holds
         if self._nothing_left(checkpoint):
             return None
-        extra, held = self._probed(size), 0
-        due = time.monotonic() - self._checked_at >= self.settings.grow_check_interval_s
+        extra, held, now = self._probed(size), 0, time.monotonic()
+        if not extra and in_memory and now - self._held_at >= HELD_POLL_S:
+            self._held_at = now
+            held = extra = min(spare(), most)  # a worker starts in each, counted once it is up (.standby)
+        due = now - self._checked_at >= self.settings.grow_check_interval_s
         if not extra and checkpoint is not self._seen and self._probe is None and due:
-            self._seen = checkpoint
-            self._checked_at = time.monotonic()
-            held = min(spare(), most)
+            self._seen, self._checked_at = checkpoint, now
+            held = 0 if in_memory else min(spare(), most)
             if held:  # room now: the rest is asked for here, as the restart follows anyway
                 extra = held + free_room(self.request, most - held)
             else:

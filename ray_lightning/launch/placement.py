@@ -73,13 +73,10 @@ class Placement:
         now = [where.get(bundle) for bundle in self.bundles]
         return [node if node in alive and (placed or node == was) else None for node, was in zip(now, self.nodes)]
 
-    def spare_placed(self) -> int:
-        """Bundles of this launch's own group that no worker uses and that are placed on alive nodes: room a group
-        that went on without a lost node's bundles has again once Ray placed them anew (the elastic growth's)."""
-        return len(self.placed_unused())
-
     def placed_unused(self) -> list[tuple[int, str]]:
-        """(bundle, node) of the bundles :meth:`spare_placed` counts, in bundle order."""
+        """(bundle, node) of this launch's own group's bundles that no worker uses and that are placed on alive nodes,
+        in bundle order: room a group that went on without a lost node's bundles has again once Ray placed them anew
+        (the elastic growth's)."""
         read = self._read() if self.owned else None
         if read is None:
             return []

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 # How long to look for a dead worker behind another worker's exception (its peers fail at once too).
 DEATH_GRACE_S = 2.0
+# ``stop`` is asked at least this often, also while no worker sends anything (a rank inside a long step).
+STOP_CHECK_S = 1.0
 
 
 def wait_for_outputs(
@@ -46,16 +48,22 @@ def wait_for_outputs(
     ``ranks[i]`` and ``infos[i]`` are actor ``i``'s global rank and location. Calls the workers
     send through ``channel`` run here as they arrive, and their progress goes to ``watchdog``,
     which raises when a rank stays in one place for longer than its bound. After each message of the
-    channel, ``stop`` may give an error that ends the wait (a preemption rank 0 checkpointed for).
+    channel, and at least every :data:`STOP_CHECK_S`, ``stop`` may give an error that ends the wait (a preemption
+    rank 0 checkpointed for, an elastic fit's growth).
     ``collective_errors``: what the strategy's collectives raise when a peer is gone, besides torch's.
     """
     pending = {ref: i for i, ref in enumerate(refs)}
     outputs: list[WorkerOutput | None] = [None] * len(refs)
     while pending:
         waiting = list(pending) if channel is None else [*pending, channel.next_call()]
-        done, _ = ray.wait(waiting, num_returns=1, timeout=watchdog.seconds_left() if watchdog else None)
+        timeout = watchdog.seconds_left() if watchdog else None
+        if stop is not None:
+            timeout = STOP_CHECK_S if timeout is None else min(timeout, STOP_CHECK_S)
+        done, _ = ray.wait(waiting, num_returns=1, timeout=timeout)
         if not done:
             _check(watchdog, infos)
+            if stop is not None and (error := stop()) is not None:
+                raise error
             continue
         if channel is not None and channel.next_call() in done:
             _run_driver_call(channel)

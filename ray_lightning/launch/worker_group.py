@@ -5,17 +5,14 @@ A :class:`WorkerGroup` owns its actors, its driver channel and (when it is its o
 failed, stopped by Ctrl-C, or idle and expired. Startup failures have their own types (:class:`~ray_lightning.errors.
 WorkerStartupError`: an actor died before running the call; :class:`~ray_lightning.errors.WorkerStartupTimeoutError`).
 
-A fit that may restart keeps one *spare* worker process per node (:meth:`WorkerGroup.keep_spares`): an actor that
-reserves nothing, started while the fit trains, whose imports (torch, Lightning: seconds) are done when a worker
-dies. :meth:`WorkerGroup.salvage` puts it in the dead worker's place, so the restart waits for no new process.
-Growth law: one idle process per node of the group (its memory: the imports, about 0.4 GB), no CPU or GPU reserved.
+Processes started before they are needed (a spare per node for a dead worker's place, newcomers for a grow) are
+:mod:`.standby`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +30,16 @@ from ray_lightning.launch.actor import NodeInfo, RayWorker
 from ray_lightning.launch.placement import Placement
 from ray_lightning.launch.poll import wait_for_outputs
 from ray_lightning.launch.rendezvous import Rendezvous, RendezvousPoint
-from ray_lightning.launch.session import driver_niceness, driver_node_id, ray_session
+from ray_lightning.launch.session import driver_node_id, ray_session
+from ray_lightning.launch.standby import (
+    SPARE_RANK,
+    Newcomers,
+    died,
+    spare_environment,
+    spare_usable,
+    spares_possible,
+    stop,
+)
 from ray_lightning.launch.watchdog import Watchdog
 from ray_lightning.runtime import WorkerContext
 
@@ -44,14 +50,6 @@ log = logging.getLogger(__name__)
 RENDEZVOUS_TIMEOUT_FACTOR = 2.0
 # How often a group that lost a node reads whether Ray placed its bundles again (salvage's placed_wait_s).
 PLACED_POLL_S = 0.5
-# The rank a spare worker process is started with (its log lines say "spare"); it takes a rank when it runs a call.
-SPARE_RANK = -1
-# How long a spare that is done importing has to answer before it is taken as gone (it answers in milliseconds).
-SPARE_ANSWER_S = 2.0
-# Read by ray_lightning/__init__ in a spare's process (written out there: that import cannot wait for this module's).
-IMPORT_NICENESS_ENV = "RAY_LIGHTNING_IMPORT_NICENESS"
-# Resources that give a process a device (Ray makes it visible to the process that reserved it): no spare then.
-ACCELERATORS = frozenset({"GPU", "TPU", "neuron_cores", "HPU", "NPU"})
 
 
 class WorkerGroup:
@@ -69,6 +67,7 @@ class WorkerGroup:
         # Node id: a spare worker process there (keep_spares), with its start-up call's reference.
         self.spares: dict[str, tuple[Any, Any]] = {}
         self.spares_taken = 0  # by the last salvage
+        self.newcomers = Newcomers()  # workers in the group's own bundles placed again, for a grow (held_room)
         self._request: WorkerResources | None = None
         self._channel: DriverChannel | None = None
         self._session = ray_session()
@@ -89,30 +88,18 @@ class WorkerGroup:
             raise
         return group
 
-    def _new_actor(self, i: int, spare: bool = False) -> Any:
-        """A worker actor for rank ``ranks[i]`` in bundle ``placement.bundles[i]``; ``spare``: one on that bundle's node
-        that reserves nothing (:meth:`keep_spares`)."""
+    def _new_actor(self, i: int, spare: bool = False, bundle: int | None = None) -> Any:
+        """A worker actor for rank ``ranks[i]`` in bundle ``placement.bundles[i]`` (or in ``bundle``, ``i`` -1: it takes
+        a rank when it runs a call); ``spare``: one on that bundle's node reserving nothing (:meth:`keep_spares`)."""
         assert self._request is not None
-        bundle = self.placement.bundles[i]
+        bundle = self.placement.bundles[i] if bundle is None else bundle
         strategy = PlacementGroupSchedulingStrategy(self.placement.pg, placement_group_bundle_index=bundle)
         options = self._request.actor_options()
-        if spare:
-            options = {"num_cpus": 0, "runtime_env": {"env_vars": self._spare_environment()}}
-        rank = SPARE_RANK if spare else self.ranks[i].global_rank
+        if spare or i < 0:  # started before it is needed (.standby): it imports at the driver's niceness
+            environment = {"runtime_env": {"env_vars": spare_environment(self._request)}}
+            options = {"num_cpus": 0, **environment} if spare else {**options, **environment}
+        rank = SPARE_RANK if spare or i < 0 else self.ranks[i].global_rank
         return ray.remote(RayWorker).options(**options, scheduling_strategy=strategy).remote(rank)
-
-    def _spare_environment(self) -> dict[str, str]:
-        """A spare's variables: it imports at the driver's niceness (ray_lightning/__init__), and its torch uses as
-        many threads as a worker that reserved the CPUs (Ray gives a process that reserved none one thread)."""
-        assert self._request is not None
-        variables = {}
-        niceness = driver_niceness()
-        if niceness is not None:
-            variables[IMPORT_NICENESS_ENV] = str(niceness)
-        job = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
-        if "OMP_NUM_THREADS" not in job:  # else the spare inherits the job's, as the workers do
-            variables["OMP_NUM_THREADS"] = str(max(1, math.floor(self._request.cpus)))
-        return variables
 
     def keep_spares(self, wanted: bool = True) -> None:
         """Start a spare worker process on each node of the group that has none alive (see the module docstring);
@@ -122,14 +109,12 @@ class WorkerGroup:
         process by what it reserves, so such a worker's replacement is a new process, as before.
         """
         assert self._request is not None
-        reserved = {"GPU": self._request.gpus, **self._request.custom}
-        if not wanted or any(amount and name in ACCELERATORS for name, amount in reserved.items()):
+        if not wanted or not spares_possible(self._request):
             self.drop_spares()
             return
         for i, node in enumerate(self.placement.nodes):
-            if node in self.spares and not _spare_usable(self.spares[node]):
-                with contextlib.suppress(Exception):
-                    ray.kill(self.spares.pop(node)[0], no_restart=True)
+            if node in self.spares and not spare_usable(self.spares[node]):
+                stop(self.spares.pop(node)[0])
             if node not in self.spares:
                 actor = self._new_actor(i, spare=True)
                 self.spares[node] = (actor, actor.node_info.remote())
@@ -171,7 +156,7 @@ class WorkerGroup:
         replaced: set[int] = set()
         for timeout in (0, wait_s):  # the dead ones' processes start first, then the stuck ones'
             ended, _ = ray.wait(running, num_returns=len(running), timeout=timeout)
-            gone = {i for i, ref in enumerate(running) if (ref in ended and _died(ref)) or timeout and ref not in ended}
+            gone = {i for i, ref in enumerate(running) if (ref in ended and died(ref)) or timeout and ref not in ended}
             for i in gone - replaced:
                 self._replace(i)
             replaced |= gone
@@ -225,13 +210,22 @@ class WorkerGroup:
             if len(ray.wait(self._running, num_returns=len(self._running), timeout=0.1)[0]) == len(self._running):
                 return
 
+    def held_room(self, newcomers: bool = False) -> int:
+        """The group's own bundles Ray placed again that no worker uses (:meth:`Placement.placed_unused`); with
+        ``newcomers``, a worker starts in each now, while the call trains, and only those whose worker is up count."""
+        placed = self.placement.placed_unused()
+        return self.newcomers.up(placed, lambda b: self._new_actor(-1, bundle=b)) if newcomers else len(placed)
+
     def _add_placed(self) -> None:
-        """A worker in each of the group's own bundles that Ray placed again and no worker uses; ranks given again."""
+        """A worker in each of the group's own bundles that Ray placed again and no worker uses (the one started there
+        by :meth:`held_room`, else a new one); ranks given again."""
         for bundle, node in self.placement.placed_unused():
             self.placement.bundles.append(bundle)
             self.placement.nodes.append(node)
         self.ranks = assign_ranks(self.placement.nodes)
-        self.actors += [self._new_actor(i) for i in range(len(self.actors), len(self.ranks))]
+        new = range(len(self.actors), len(self.ranks))
+        self.actors += [self.newcomers.take(self.placement.bundles[i]) or self._new_actor(i) for i in new]
+        self.newcomers.stop()  # any left: in bundles Ray moved meanwhile
 
     def came_out(self, global_rank: int, wait_s: float) -> Any | None:
         """After a failed call: the actor of ``global_rank`` if its process comes out of the call alive within
@@ -239,7 +233,7 @@ class WorkerGroup:
         still waiting in a collective on them then fails too."""
         self._let_go_ended()
         i = next((i for i, r in enumerate(self.ranks) if r.global_rank == global_rank), len(self._running))
-        if i >= len(self._running) or not ray.wait([self._running[i]], timeout=wait_s)[0] or _died(self._running[i]):
+        if i >= len(self._running) or not ray.wait([self._running[i]], timeout=wait_s)[0] or died(self._running[i]):
             return None
         return self.actors[i]
 
@@ -247,7 +241,7 @@ class WorkerGroup:
         """Have the workers whose part of the failed call ended, alive, free what it held (RayWorker.let_go), once."""
         ended, _ = ray.wait(self._running, num_returns=len(self._running), timeout=0)
         for i, ref in enumerate(self._running):
-            if ref in ended and ref not in self._let_go and not _died(ref):
+            if ref in ended and ref not in self._let_go and not died(ref):
                 self._let_go.add(ref)
                 self.actors[i].let_go.remote()
 
@@ -256,7 +250,7 @@ class WorkerGroup:
         with contextlib.suppress(Exception):
             ray.kill(self.actors[i], no_restart=True)
         spare = self.spares.pop(self.placement.nodes[i], None)
-        if spare is None or not _spare_usable(spare):
+        if spare is None or not spare_usable(spare):
             if spare is not None:
                 with contextlib.suppress(Exception):
                     ray.kill(spare[0], no_restart=True)
@@ -311,7 +305,7 @@ class WorkerGroup:
 
     def _dead_rank(self, refs: list[Any], actors: list[int]) -> int:
         """The global rank of the first actor whose startup call failed."""
-        dead = next((i for ref, i in zip(refs, actors) if ray.wait([ref], timeout=0)[0] and _died(ref)), actors[0])
+        dead = next((i for ref, i in zip(refs, actors) if ray.wait([ref], timeout=0)[0] and died(ref)), actors[0])
         return self.ranks[dead].global_rank
 
     def run(
@@ -358,6 +352,7 @@ class WorkerGroup:
                 ray.get(ref, timeout=0)
         self._running = []
         self.drop_spares()
+        self.newcomers.stop()
         for actor in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
@@ -366,28 +361,6 @@ class WorkerGroup:
             self._channel = None
         self.placement.release()
         self.actors = []
-
-
-def _spare_usable(spare: tuple[Any, Any]) -> bool:
-    """Whether a spare (its actor, its start-up call) may take a worker's place: one still importing may (it is sooner
-    ready than a new process), one done answers a new call within :data:`SPARE_ANSWER_S` (a dead one fails it at once:
-    killed, out of memory, its node lost)."""
-    actor, started = spare
-    if not ray.wait([started], timeout=0)[0]:
-        return True
-    answer = actor.node_info.remote()
-    return bool(ray.wait([answer], timeout=SPARE_ANSWER_S)[0]) and not _died(answer)
-
-
-def _died(ref: Any) -> bool:
-    """Whether the actor that ran the call ``ref`` (which ended) died in it."""
-    try:
-        ray.get(ref, timeout=0)
-    except RayActorError:
-        return True
-    except Exception:  # noqa: BLE001 - it raised (a broken collective): its process is alive
-        pass
-    return False
 
 
 def _answer(ref: Any) -> bool:
