@@ -15,6 +15,14 @@ its epoch in two: the rest of the epoch's data order is dealt over the new worke
 a plain ``DataLoader``'s sampler), as after a lost node. Not after the last checkpoint of the fit: nothing would be
 left to train.
 
+A fit whose ranks each hold its state (DDP, Horovod) grows into its own bundles placed again without a checkpoint
+and without restarting a process: it asks about them every :data:`HELD_POLL_S` (the driver asks at least every
+second, :data:`~.poll.STOP_CHECK_S`, also while no worker sends anything), a worker starts in each as soon as one is
+placed (:mod:`.standby`), and once those are up the attempt ends with ``into_held``: the launcher cancels the running
+call, every rank leaves it at its next batch with its state (:mod:`ray_lightning.home.snapshot`), and the group goes
+on from that memory with the new workers beside (:meth:`~.worker_group.WorkerGroup.salvage`). Growth law: while
+below ``max``, one read of Ray's placement-group table and node list per second on the driver; nothing per byte.
+
 On a cluster with an autoscaler, a fit running below ``max`` asks it for room for ``max`` workers
 (``ray.autoscaler.sdk.request_resources``: a lost spot node is replaced even though nothing is pending), and
 takes the request back when the call ends. Ray keeps one such request per cluster: two elastic fits at once
