@@ -94,16 +94,17 @@ class Newcomers:
         """The worker started in ``bundle``, if one is there and alive (or still starting); a dead one is let go."""
         actor, started = self._started.pop(bundle, (None, None))
         if actor is not None and ray.wait([started], timeout=0)[0] and died(started):
-            stop(actor)
+            kill(actor)
             return None
         return actor
 
     def stop(self) -> None:
         for actor, _ in self._started.values():
-            stop(actor)
+            kill(actor)
         self._started = {}
 
 
-def stop(actor: Any) -> None:
+def kill(actor: Any) -> None:
+    """Stop ``actor`` (one already gone is fine)."""
     with contextlib.suppress(Exception):
         ray.kill(actor, no_restart=True)

@@ -35,10 +35,10 @@ from ray_lightning.launch.standby import (
     SPARE_RANK,
     Newcomers,
     died,
+    kill,
     spare_environment,
     spare_usable,
     spares_possible,
-    stop,
 )
 from ray_lightning.launch.watchdog import Watchdog
 from ray_lightning.runtime import WorkerContext
@@ -114,7 +114,7 @@ class WorkerGroup:
             return
         for i, node in enumerate(self.placement.nodes):
             if node in self.spares and not spare_usable(self.spares[node]):
-                stop(self.spares.pop(node)[0])
+                kill(self.spares.pop(node)[0])
             if node not in self.spares:
                 actor = self._new_actor(i, spare=True)
                 self.spares[node] = (actor, actor.node_info.remote())
