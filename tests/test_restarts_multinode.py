@@ -14,11 +14,12 @@ import ray
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
+from torch.nn import functional as F
 
 from ray_lightning import RayStrategy
 from ray_lightning.errors import WorkerDiedError
 from tests.conftest import connected_cluster, wait_for
-from tests.models import BoringModel
+from tests.models import BoringModel, IndexedDataset
 
 SLOT = {"CPU": 1, "slot": 1}
 
@@ -224,7 +225,7 @@ def test_an_elastic_fit_grows_to_three_shrinks_to_two_after_a_loss_and_grows_bac
         placement_timeout_s=600,
     )
     model = CountsSamples(str(seen), waits)
-    before = model.layer.weight.detach().clone()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
     trainer = pl.Trainer(max_epochs=3, strategy=strategy, enable_progress_bar=False, logger=False)
     # The fit runs in a thread (as in a Tune trial): Ray's Cluster adds nodes from the main thread only.
     errors: list[BaseException] = []
@@ -266,7 +267,7 @@ def test_an_elastic_fit_grows_to_three_shrinks_to_two_after_a_loss_and_grows_bac
     # Rank 0 waited at the first batch after the loss: the ranks left there, at the step the loss went on from.
     assert regrow.global_step == loss.global_step and regrow.epoch == 1, (loss, regrow)
     assert trainer.world_size == 3 and trainer.global_step == 12  # 4 steps an epoch on 3 and on 2 workers
-    assert not torch.equal(model.layer.weight, before)
+    assert not torch.equal(model.layer.weight, before["layer.weight"])
     trained = _trained(seen, trainer.strategy.restarts)
     lines = {path.name: [json.loads(line) for line in path.read_text().splitlines()] for path in seen.glob("ids-*")}
     pids = {a: {name for name, records in lines.items() if any(r["attempt"] == a for r in records)} for a in (1, 2, 3)}
@@ -283,6 +284,27 @@ def test_an_elastic_fit_grows_to_three_shrinks_to_two_after_a_loss_and_grows_bac
         assert ids == list(range(96)), f"epoch {epoch}: every sample once"
     for step in range(12):  # keep_global_batch: 3 x 8 on three workers, 2 x 6 x 2 accumulated on two
         assert sum(len(r["ids"]) for r in trained if r["step"] == step) == 24, step
+    _assert_an_unbroken_fits_weights(model, before, trained, steps=12, per_epoch=4)
+
+
+def _assert_an_unbroken_fits_weights(model: BoringModel, before: dict, trained: list[dict], steps: int, per_epoch: int):
+    """Every step trained the global batch an uninterrupted fit trains (the ``DistributedSampler``'s shuffled order
+    of its epoch, seed 0), and plain SGD on those batches in this process ends at the fit's weights."""
+    data = IndexedDataset(model.hparams.size, model.hparams.dim, seed=0)
+    replay = BoringModel(size=model.hparams.size)
+    replay.load_state_dict(before)
+    sgd = torch.optim.SGD(replay.parameters(), lr=model.hparams.lr)
+    batch = model.hparams.size // per_epoch
+    for step in range(steps):
+        epoch, k = divmod(step, per_epoch)
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch)).tolist()
+        ids = sorted(i for r in trained if r["step"] == step for i in r["ids"])
+        assert ids == sorted(order[k * batch : (k + 1) * batch]), f"step {step}: an uninterrupted fit's batch"
+        sgd.zero_grad()
+        F.mse_loss(replay(data.x[ids]), data.y[ids]).backward()
+        sgd.step()
+    for name, value in replay.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def _drain(node_id: str, deadline_s: float) -> None:
