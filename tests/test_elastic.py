@@ -16,6 +16,7 @@ from torch.utils.data import DistributedSampler
 
 from ray_lightning import HorovodRayStrategy, RayAccelerator, RayStrategy
 from ray_lightning.config.elastic import ElasticSettings, worker_range
+from ray_lightning.config.resources import resolve_worker_resources
 from ray_lightning.data.elastic import ContinuingSampler, global_batch_split
 from ray_lightning.errors import RayWorkerError, WorkerDiedError, WorkersGrowError
 from ray_lightning.launch.elastic import Growth
@@ -195,6 +196,39 @@ def test_a_fit_held_in_memory_grows_into_its_own_bundles_once_their_workers_are_
     error = sharded.check(2, checkpoint, lambda: 1, in_memory=False)  # from the checkpoint, in new processes
     assert error is not None and not error.into_held and "step 4, on 3" in str(error), error
     growth.close()
+
+
+def test_a_fit_held_in_memory_reserves_the_room_it_finds_and_grows_into_it_once_its_workers_are_up(monkeypatch):
+    """Room beyond the fit's own bundles (a node that joined): the probe reserves it (a placement group), the group
+    starts workers there (``reserve``, then ``spare``), and the fit grows into it in its running processes."""
+    import ray_lightning.launch.elastic as elastic
+
+    monkeypatch.setattr(elastic, "HELD_POLL_S", 0.0)
+    monkeypatch.setattr(elastic, "free_room", lambda request, most: most)
+    placed = []
+    monkeypatch.setattr(elastic, "placed_at_once", lambda request: placed.append(request.num_workers) or "pg")
+    removed = []
+    monkeypatch.setattr(elastic, "remove_placement_group", removed.append)
+    reserved: list = []
+    up = [0]
+    spare = lambda: up[0] if reserved else 0  # noqa: E731 - the reserved group's workers, once up
+    growth = Growth(ElasticSettings(2, 3, grow_check_interval_s=0), resolve_worker_resources(2), 3, -1)
+    assert growth.check(2, _Checkpoint(1, 4), spare, True, reserved.append) is None  # the probe starts
+    growth.wait_for_probe(10)
+    assert growth.check(2, _Checkpoint(1, 5), spare, True, reserved.append) is None  # reserved, its worker starts
+    assert reserved == ["pg"] and placed == [1]
+    assert growth.check(2, _Checkpoint(1, 6), spare, True, reserved.append) is None  # no second probe meanwhile
+    assert growth._probe is None and placed == [1]
+    up[0] = 1
+    error = growth.check(2, _Checkpoint(1, 6), spare, True, reserved.append)
+    assert error is not None and error.size == 3 and error.into_held, error
+    growth.close()
+    assert removed == [], "the group holds the room it grew into"
+    # A room found as the call ends is given back.
+    late = Growth(ElasticSettings(2, 3, grow_check_interval_s=0), resolve_worker_resources(2), 3, -1)
+    assert late.check(2, _Checkpoint(1, 4), lambda: 0, True, [].append) is None
+    late.close()
+    assert removed == ["pg"]
 
 
 class LogsLearningRate(BoringModel):

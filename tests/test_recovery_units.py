@@ -15,6 +15,7 @@ from ray_lightning.home.landing import WriteScope
 from ray_lightning.home.recovery import random_states, set_random_states
 from ray_lightning.launch.actor import NodeInfo
 from ray_lightning.launch.failures import Failure, Kind
+from ray_lightning.launch.placement import Placement
 from ray_lightning.launch.recovery import Recovery
 from tests.conftest import wait_for
 
@@ -183,11 +184,12 @@ def test_a_state_that_cannot_be_kept_leaves_the_fits_own_error_to_the_driver(mon
     assert not snapshot.header().held
 
 
-class _ScriptedPlacement:
+class _ScriptedPlacement(Placement):
     """Where a group's bundles are, as Ray would say after a node was lost: one answer per read."""
 
     def __init__(self, nodes: list[str], answers: list[list[str | None]]) -> None:
-        self.bundles, self.nodes, self._answers = list(range(len(nodes))), list(nodes), answers
+        super().__init__(None, list(range(len(nodes))), list(nodes))
+        self._answers = answers
 
     def nodes_now(self) -> list[str | None]:
         return self._answers.pop(0) if len(self._answers) > 1 else self._answers[0]

@@ -15,13 +15,16 @@ its epoch in two: the rest of the epoch's data order is dealt over the new worke
 a plain ``DataLoader``'s sampler), as after a lost node. Not after the last checkpoint of the fit: nothing would be
 left to train.
 
-A fit whose ranks each hold its state (DDP, Horovod) grows into its own bundles placed again without a checkpoint
-and without restarting a process: it asks about them every :data:`HELD_POLL_S` (the driver asks at least every
-second, :data:`~.poll.STOP_CHECK_S`, also while no worker sends anything), a worker starts in each as soon as one is
-placed (:mod:`.standby`), and once those are up the attempt ends with ``into_held``: the launcher cancels the running
-call, every rank leaves it at its next batch with its state (:mod:`ray_lightning.home.snapshot`), and the group goes
-on from that memory with the new workers beside (:meth:`~.worker_group.WorkerGroup.salvage`). Growth law: while
-below ``max``, one read of Ray's placement-group table and node list per second on the driver; nothing per byte.
+A fit whose ranks each hold its state (DDP, Horovod) grows without a checkpoint and without restarting a process,
+into its own bundles placed again and into room the probe finds beyond them, which the probe then reserves as a
+placement group of its own that the worker group adds to its reservation (:meth:`~.worker_group.WorkerGroup.extend`;
+while it waits to be grown into, no other probe runs). It asks about those bundles every :data:`HELD_POLL_S` (the
+driver asks at least every second, :data:`~.poll.STOP_CHECK_S`, also while no worker sends anything), a worker starts
+in each as soon as it is placed (:mod:`.standby`), and once those are up the attempt ends with ``into_held``: the
+launcher cancels the running call, every rank leaves it at its next batch with its state
+(:mod:`ray_lightning.home.snapshot`), and the group goes on from that memory with the new workers beside
+(:meth:`~.worker_group.WorkerGroup.salvage`). Growth law: while below ``max``, one read of Ray's placement-group table
+and node list per second on the driver, and per grow one placement group of the workers added; nothing per byte.
 
 On a cluster with an autoscaler, a fit running below ``max`` asks it for room for ``max`` workers
 (``ray.autoscaler.sdk.request_resources``: a lost spot node is replaced even though nothing is pending), and
@@ -39,12 +42,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ray.util.placement_group import remove_placement_group
+
 from ray_lightning.config.elastic import ElasticSettings
 from ray_lightning.config.resources import WorkerResources
 from ray_lightning.errors import WorkersGrowError
 from ray_lightning.home.recovery import PREEMPTION
 from ray_lightning.launch.autoscaler import find_autoscaler
-from ray_lightning.launch.probes import PROBE_S, free_room
+from ray_lightning.launch.probes import PROBE_S, free_room, placed_at_once
 
 # How often a fit whose ranks hold its state asks about its own bundles placed again (a read of Ray's tables; the
 # grow into them goes on from memory, so it waits for no checkpoint).
@@ -68,8 +73,11 @@ class Growth:
         self._seen: Any = None
         self._asked = False  # whether this call asked the autoscaler for room
         self._no_autoscaler = False
-        # The probe of the cluster's free room running in its thread: (thread, the size it is for, its answer).
-        self._probe: tuple[threading.Thread, int, list[int]] | None = None
+        # The probe of the cluster's free room running in its thread: (thread, the size it is for, its answer: the
+        # workers that fit, and the placement group reserved for them when the probe was asked to keep it).
+        self._probe: tuple[threading.Thread, int, list[tuple[int, Any]]] | None = None
+        self._reserved = False  # room reserved (``reserve``) that the fit has not grown into yet: no probe meanwhile
+        self._closed = threading.Event()
 
     def ask_autoscaler(self, size: int) -> None:
         """Running on ``size`` workers: on a cluster with an autoscaler, ask it for room for the most (once)."""
@@ -88,8 +96,11 @@ class Growth:
     def close(self) -> None:
         """After the call: wait for a probe still running (bounded: it removes its placement groups itself) and
         take back the autoscaler request, if this call made one."""
+        self._closed.set()  # a probe still running gives back what it reserves
         self.wait_for_probe(PROBE_S * (math.ceil(math.log2(max(self.settings.max_workers, 2))) + 2))
-        self._probe = None
+        _, _, room = self._probe_answer()
+        if room is not None:  # found after the call ended: nothing holds it
+            remove_placement_group(room)
         if self._asked:
             from ray.autoscaler.sdk import request_resources
 
@@ -98,7 +109,12 @@ class Growth:
             self._asked = False
 
     def check(
-        self, size: int, checkpoint: Any, spare: Callable[[], int] = lambda: 0, in_memory: bool = False
+        self,
+        size: int,
+        checkpoint: Any,
+        spare: Callable[[], int] = lambda: 0,
+        in_memory: bool = False,
+        reserve: Callable[[Any], None] | None = None,
     ) -> WorkersGrowError | None:
         """After a message from the workers: the error that ends the attempt to grow from ``size`` workers, or None.
 
@@ -107,7 +123,9 @@ class Growth:
         room that a probe for a new placement group cannot see. Returns at once: a probe of the cluster's free
         room answers at a later message. ``in_memory``: every rank holds the fit's state (DDP, Horovod); a grow into
         ``spare`` bundles alone then keeps the running processes (:attr:`WorkersGrowError.into_held`), and ``spare``
-        counts a bundle once the worker started in it meanwhile is up (:mod:`.standby`).
+        counts a bundle once the worker started in it meanwhile is up (:mod:`.standby`). ``reserve(pg)``: given, room
+        the probe finds beyond those bundles is reserved there (a placement group, placed) and becomes ``spare``
+        bundles, so that an in-memory fit grows into it in its running processes too.
         """
         most = self.settings.max_workers - size
         if most <= 0 or checkpoint is None:
@@ -116,21 +134,25 @@ class Growth:
             return None  # the attempt stops for the notice; the restart after it places what the cluster holds
         if self._nothing_left(checkpoint):
             return None
-        extra, held, now = self._probed(size), 0, time.monotonic()
+        (extra, room), held, now = self._probed(size), 0, time.monotonic()
+        if room is not None and reserve is not None:
+            reserve(room)  # its workers start at the next poll below, beside the running ones
+            extra, self._held_at, self._reserved = 0, float("-inf"), True
         if not extra and in_memory and now - self._held_at >= HELD_POLL_S:
             self._held_at = now
             held = extra = min(spare(), most)  # a worker starts in each, counted once it is up (.standby)
         due = now - self._checked_at >= self.settings.grow_check_interval_s
-        if not extra and checkpoint is not self._seen and self._probe is None and due:
+        if not extra and checkpoint is not self._seen and self._probe is None and due and not self._reserved:
             self._seen, self._checked_at = checkpoint, now
             held = 0 if in_memory else min(spare(), most)
             if held:  # room now: the rest is asked for here, as the restart follows anyway
                 extra = held + free_room(self.request, most - held)
             else:
-                self._start_probe(size, most)
+                self._start_probe(size, most, keep=in_memory and reserve is not None)
         if not extra:
             return None
         into_held = in_memory and 0 < held == extra
+        self._reserved = False
         where = (
             "the running workers' next step, with new ones beside them"
             if into_held
@@ -143,27 +165,43 @@ class Growth:
             into_held,
         )
 
-    def _start_probe(self, size: int, most: int) -> None:
-        answer: list[int] = []
+    def _start_probe(self, size: int, most: int, keep: bool = False) -> None:
+        """Ask for the cluster's free room in a thread; ``keep``: reserve what it found (a placement group)."""
+        answer: list[tuple[int, Any]] = []
 
         def probe() -> None:
             try:
-                answer.append(free_room(self.request, most))
+                extra = free_room(self.request, most)
+                room = placed_at_once(self.request.with_workers(extra)) if keep and extra else None
+                if room is not None and self._closed.is_set():  # the call ended meanwhile
+                    remove_placement_group(room)
+                    room = None
+                # Kept, the room counts once reserved (another job may have taken it since the probe: none then).
+                answer.append((0, room) if keep and room is None else (extra, room))
             except Exception as error:  # noqa: BLE001 - a probe that fails finds no room; the next check asks again
                 log.warning("ray_lightning: asking the cluster for room to grow failed: %r", error)
-                answer.append(0)
+                answer.append((0, None))
 
         thread = threading.Thread(target=probe, name="ray_lightning-grow-probe", daemon=True)
         self._probe = (thread, size, answer)
         thread.start()
 
-    def _probed(self, size: int) -> int:
-        """The answer of a probe that has finished (taken once), for a group of ``size`` workers; else 0."""
+    def _probed(self, size: int) -> tuple[int, Any]:
+        """The answer of a probe that has finished (taken once), for a group of ``size`` workers: the workers that fit
+        and the placement group reserved for them (or None); else (0, None)."""
         if self._probe is None or self._probe[0].is_alive():
-            return 0
-        _, probed_for, answer = self._probe
-        self._probe = None
-        return answer[0] if answer and probed_for == size else 0
+            return 0, None
+        probed_for, extra, room = self._probe_answer()
+        if probed_for != size and room is not None:  # for another size: room for the wrong number of workers
+            remove_placement_group(room)
+        return (extra, room) if probed_for == size else (0, None)
+
+    def _probe_answer(self) -> tuple[int, int, Any]:
+        """(the size it was for, extra workers, reserved group or None) of the finished probe, taken."""
+        probe, self._probe = self._probe, None
+        if probe is None or probe[0].is_alive() or not probe[2]:
+            return 0, 0, None
+        return probe[1], *probe[2][0]
 
     def wait_for_probe(self, timeout_s: float) -> None:
         """Until a running probe of the cluster's free room has answered (at most ``timeout_s``)."""

@@ -321,7 +321,7 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
                 contexts,
                 channel,
                 watchdog,
-                stop_check(call, len(group.ranks), group.held_room),
+                stop_check(call, len(group.ranks), group.held_room, group.extend),
                 keeps_fit(call),
                 self._strategy.collective_errors,
             )

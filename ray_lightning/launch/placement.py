@@ -46,18 +46,26 @@ def trial_bundles(request: WorkerResources) -> list[dict[str, float]]:
 
 @dataclass
 class Placement:
-    """The placement group a launch's workers run in: worker ``i`` draws from bundle ``bundles[i]`` on ``nodes[i]``."""
+    """The placement groups a launch's workers run in: worker ``i`` draws from bundle ``bundles[i]`` of ``groups[i]``
+    on ``nodes[i]``. ``groups`` is ``pg`` for every worker, but for those an elastic fit grew into room beyond its
+    reservation: those draw from ``extensions``, groups reserved for that grow (:meth:`extend`), owned as ``pg`` is."""
 
     pg: Any
     bundles: list[int]
     nodes: list[str]
     owned: bool = field(default=True)
+    groups: list[Any] = field(default_factory=list)
+    extensions: list[Any] = field(default_factory=list)
 
-    def _read(self) -> tuple[dict[int, str], bool, set[str]] | None:
-        """Where Ray has each bundle now, whether the whole group is placed, and the alive nodes (None: a group Ray
-        no longer knows)."""
+    def __post_init__(self) -> None:
+        if not self.groups:
+            self.groups = [self.pg] * len(self.bundles)
+
+    def _read(self, pg: Any) -> tuple[dict[int, str], bool, set[str]] | None:
+        """Where Ray has each bundle of ``pg`` now, whether it is placed whole, and the alive nodes (None: a group
+        Ray no longer knows)."""
         try:
-            table = placement_group_table(self.pg)
+            table = placement_group_table(pg)
             alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         except Exception:  # noqa: BLE001 - a group Ray no longer knows is not placed
             return None
@@ -66,28 +74,52 @@ class Placement:
     def nodes_now(self) -> list[str | None]:
         """Each worker's bundle's node now: None where the node is not alive, or the bundle moved and the group is not
         placed yet (a lost node's bundles are placed again by Ray, elsewhere, where there is room)."""
-        read = self._read()
-        if read is None:
-            return [None] * len(self.bundles)
-        where, placed, alive = read
-        now = [where.get(bundle) for bundle in self.bundles]
-        return [node if node in alive and (placed or node == was) else None for node, was in zip(now, self.nodes)]
+        reads = {pg.id: self._read(pg) for pg in {g.id: g for g in self.groups}.values()}
+        now: list[str | None] = []
+        for pg, bundle, was in zip(self.groups, self.bundles, self.nodes):
+            read = reads[pg.id]
+            node = None if read is None else read[0].get(bundle)
+            now.append(node if read is not None and node in read[2] and (read[1] or node == was) else None)
+        return now
 
-    def placed_unused(self) -> list[tuple[int, str]]:
-        """(bundle, node) of this launch's own group's bundles that no worker uses and that are placed on alive nodes,
-        in bundle order: room a group that went on without a lost node's bundles has again once Ray placed them anew
-        (the elastic growth's)."""
-        read = self._read() if self.owned else None
-        if read is None:
+    def keep(self, workers: list[int], nodes: list[str]) -> None:
+        """Go on with the workers ``workers`` only (indices, in order), now on ``nodes``."""
+        self.bundles = [self.bundles[i] for i in workers]
+        self.groups = [self.groups[i] for i in workers]
+        self.nodes = list(nodes)
+
+    def placed_unused(self) -> list[tuple[Any, int, str]]:
+        """(group, bundle, node) of this launch's own groups' bundles that no worker uses and that are placed on alive
+        nodes, in order: room a group that went on without a lost node's bundles has again once Ray placed them anew,
+        and room reserved beyond (:meth:`extend`), for an elastic grow."""
+        if not self.owned:
             return []
-        where, _, alive = read
-        return sorted((b, node) for b, node in where.items() if b not in self.bundles and node in alive)
+        used = {(g.id, b) for g, b in zip(self.groups, self.bundles)}
+        unused = []
+        for pg in [self.pg, *self.extensions]:
+            read = self._read(pg)
+            if read is not None:
+                where, _, alive = read
+                unused += [(pg, b, where[b]) for b in sorted(where) if (pg.id, b) not in used and where[b] in alive]
+        return unused
+
+    def add(self, pg: Any, bundle: int, node: str) -> None:
+        """A worker in ``bundle`` of ``pg`` (one of this launch's own groups) joins, on ``node``."""
+        self.groups.append(pg)
+        self.bundles.append(bundle)
+        self.nodes.append(node)
+
+    def extend(self, pg: Any) -> None:
+        """Own ``pg`` too (placed, for an elastic grow): its bundles are room to grow into, released with the rest."""
+        self.extensions.append(pg)
 
     def release(self) -> None:
-        """Give the reservation back, if it is this launch's own."""
+        """Give the reservations back, if they are this launch's own."""
         if self.owned:
-            with contextlib.suppress(Exception):
-                remove_placement_group(self.pg)
+            for pg in [self.pg, *self.extensions]:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(pg)
+            self.extensions = []
 
 
 class OwnPlacement(Placement):

@@ -38,7 +38,7 @@ def reserve_elastic(
     """
     size = most_placed(min_workers, request.num_workers, _prober(request))
     if size > min_workers:
-        pg = _placed_at_once(request.with_workers(size))
+        pg = placed_at_once(request.with_workers(size))
         if pg is not None:  # else another job took the room since the probe: the wait below
             return OwnPlacement.placed(pg, request.with_workers(size))
     return OwnPlacement.reserve(request.with_workers(min_workers), placement_timeout_s, scale_up_timeout_s, say)
@@ -85,7 +85,7 @@ def _prober(request: WorkerResources) -> Callable[[int], bool]:
             check_cluster_can_hold(sized, nodes)
         except ClusterResourceError:
             return False
-        pg = _placed_at_once(sized)
+        pg = placed_at_once(sized)
         if pg is None:
             return False
         remove_placement_group(pg)
@@ -94,7 +94,7 @@ def _prober(request: WorkerResources) -> Callable[[int], bool]:
     return places
 
 
-def _placed_at_once(request: WorkerResources) -> Any | None:
+def placed_at_once(request: WorkerResources) -> Any | None:
     """A placement group of ``request`` if Ray places it within :data:`PROBE_S` (else none is left behind)."""
     bundles, strategy = request.placement()
     pg = placement_group(bundles, strategy=strategy)

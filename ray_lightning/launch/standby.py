@@ -76,23 +76,26 @@ def died(ref: Any) -> bool:
 
 
 class Newcomers:
-    """The workers started in a group's bundles that Ray placed again, by bundle, until the group takes them."""
+    """The workers started in a group's own bundles placed and unused (a lost node's placed again, room reserved for a
+    grow), by (placement group, bundle), until the group takes them."""
 
     def __init__(self) -> None:
-        self._started: dict[int, tuple[Any, Any]] = {}  # bundle: (actor, its start-up call)
+        self._started: dict[tuple[Any, int], tuple[Any, Any]] = {}  # (group id, bundle): (actor, its start-up call)
 
-    def up(self, placed: list[tuple[int, str]], start: Callable[[int], Any]) -> int:
-        """Start a worker (``start(bundle)``) in each bundle of ``placed`` (bundle, node) without one; how many of
-        them are up (imported and answering)."""
-        for bundle, _ in placed:
-            if bundle not in self._started:
-                actor = start(bundle)
-                self._started[bundle] = (actor, actor.node_info.remote())
-        return sum(1 for bundle, _ in placed if ray.wait([self._started[bundle][1]], timeout=0)[0])
+    def up(self, placed: list[tuple[Any, int, str]], start: Callable[[tuple[Any, int]], Any]) -> int:
+        """Start a worker (``start((group, bundle))``) in each bundle of ``placed`` (group, bundle, node) without one;
+        how many of them are up (imported and answering)."""
+        keys = [((pg.id, bundle), (pg, bundle)) for pg, bundle, _ in placed]
+        for key, slot in keys:
+            if key not in self._started:
+                actor = start(slot)
+                self._started[key] = (actor, actor.node_info.remote())
+        return sum(1 for key, _ in keys if ray.wait([self._started[key][1]], timeout=0)[0])
 
-    def take(self, bundle: int) -> Any | None:
-        """The worker started in ``bundle``, if one is there and alive (or still starting); a dead one is let go."""
-        actor, started = self._started.pop(bundle, (None, None))
+    def take(self, slot: tuple[Any, int]) -> Any | None:
+        """The worker started in ``slot`` (group, bundle), if one is there and alive (or still starting); a dead one
+        is let go."""
+        actor, started = self._started.pop((slot[0].id, slot[1]), (None, None))
         if actor is not None and ray.wait([started], timeout=0)[0] and died(started):
             kill(actor)
             return None

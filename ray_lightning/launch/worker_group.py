@@ -88,12 +88,12 @@ class WorkerGroup:
             raise
         return group
 
-    def _new_actor(self, i: int, spare: bool = False, bundle: int | None = None) -> Any:
-        """A worker actor for rank ``ranks[i]`` in bundle ``placement.bundles[i]`` (or in ``bundle``, ``i`` -1: it takes
+    def _new_actor(self, i: int, spare: bool = False, slot: tuple[Any, int] | None = None) -> Any:
+        """A worker actor for rank ``ranks[i]`` in its bundle (or in ``slot``, a group and a bundle, ``i`` -1: it takes
         a rank when it runs a call); ``spare``: one on that bundle's node reserving nothing (:meth:`keep_spares`)."""
         assert self._request is not None
-        bundle = self.placement.bundles[i] if bundle is None else bundle
-        strategy = PlacementGroupSchedulingStrategy(self.placement.pg, placement_group_bundle_index=bundle)
+        pg, bundle = slot or (self.placement.groups[i], self.placement.bundles[i])
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
         options = self._request.actor_options()
         if spare or i < 0:  # started before it is needed (.standby): it imports at the driver's niceness
             environment = {"runtime_env": {"env_vars": spare_environment(self._request)}}
@@ -193,8 +193,7 @@ class WorkerGroup:
             with contextlib.suppress(Exception):
                 ray.kill(self.spares.pop(node)[0], no_restart=True)
         self.actors = [self.actors[i] for i in keep]
-        self.placement.bundles = [self.placement.bundles[i] for i in keep]
-        self.placement.nodes = [node for node in now if node is not None]
+        self.placement.keep(keep, [node for node in now if node is not None])
         self.ranks = assign_ranks(self.placement.nodes)
         return [running[i] for i in keep]
 
@@ -211,20 +210,26 @@ class WorkerGroup:
                 return
 
     def held_room(self, newcomers: bool = False) -> int:
-        """The group's own bundles Ray placed again that no worker uses (:meth:`Placement.placed_unused`); with
-        ``newcomers``, a worker starts in each now, while the call trains, and only those whose worker is up count."""
+        """The group's own bundles placed that no worker uses (:meth:`Placement.placed_unused`: a lost node's placed
+        again, room reserved beyond by :meth:`extend`); with ``newcomers``, a worker starts in each now, while the call
+        trains, and only those whose worker is up count."""
         placed = self.placement.placed_unused()
-        return self.newcomers.up(placed, lambda b: self._new_actor(-1, bundle=b)) if newcomers else len(placed)
+        return self.newcomers.up(placed, lambda slot: self._new_actor(-1, slot=slot)) if newcomers else len(placed)
+
+    def extend(self, pg: Any) -> None:
+        """Reserve ``pg`` (placed) for the group to grow into: a worker starts in each of its bundles at the next
+        :meth:`held_room`, and joins with the next grow."""
+        self.placement.extend(pg)
 
     def _add_placed(self) -> None:
-        """A worker in each of the group's own bundles that Ray placed again and no worker uses (the one started there
-        by :meth:`held_room`, else a new one); ranks given again."""
-        for bundle, node in self.placement.placed_unused():
-            self.placement.bundles.append(bundle)
-            self.placement.nodes.append(node)
+        """A worker in each of the group's own bundles placed that no worker uses (the one started there by
+        :meth:`held_room`, else a new one); ranks given again."""
+        for pg, bundle, node in self.placement.placed_unused():
+            self.placement.add(pg, bundle, node)
         self.ranks = assign_ranks(self.placement.nodes)
         new = range(len(self.actors), len(self.ranks))
-        self.actors += [self.newcomers.take(self.placement.bundles[i]) or self._new_actor(i) for i in new]
+        slots = [(self.placement.groups[i], self.placement.bundles[i]) for i in new]
+        self.actors += [self.newcomers.take(slot) or self._new_actor(i) for i, slot in zip(new, slots)]
         self.newcomers.stop()  # any left: in bundles Ray moved meanwhile
 
     def came_out(self, global_rank: int, wait_s: float) -> Any | None:
