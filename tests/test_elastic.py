@@ -6,11 +6,13 @@ The multi-node resizes (start on 2, grow to 3, go on with 2 after a lost node) a
 from __future__ import annotations
 
 import importlib.util
+import os
 import threading
 from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
+import ray
 import torch
 from torch.utils.data import DistributedSampler
 
@@ -195,6 +197,10 @@ def test_a_fit_held_in_memory_grows_into_its_own_bundles_once_their_workers_are_
     sharded = Growth(ElasticSettings(2, 3, grow_check_interval_s=0), None, max_epochs=3, max_steps=-1)
     error = sharded.check(2, checkpoint, lambda: 1, in_memory=False)  # from the checkpoint, in new processes
     assert error is not None and not error.into_held and "step 4, on 3" in str(error), error
+    # As the launcher asks (``reserve`` given): from the checkpoint too, but in the running processes.
+    sharded = Growth(ElasticSettings(2, 3, grow_check_interval_s=3600), None, max_epochs=3, max_steps=-1)
+    error = sharded.check(2, checkpoint, lambda: 1, in_memory=False, reserve=[].append)
+    assert error is not None and error.into_held and "step 4, in the running workers" in str(error), error
     growth.close()
 
 
@@ -300,13 +306,17 @@ class WaitsForRoom(LogsBatch):
             (Path(self.directory) / "asked").touch()
             wait_for(lambda: (Path(self.directory) / "freed").exists(), 120, "the test to free room for a worker")
         if self.trainer.world_size == 2 and self.global_rank == 0 and (self.current_epoch, batch_idx) == (1, 0):
-            wait_for(lambda: (Path(self.directory) / "grown").exists(), 120, "the driver to grow the fit")
+            # Or until the driver cancels the call to grow in these processes (launch.worker_group.interrupt).
+            grown = lambda: (Path(self.directory) / "grown").exists() or ray.get_runtime_context().is_canceled()  # noqa: E731
+            wait_for(grown, 120, "the driver to grow the fit")
+        with open(Path(self.directory) / "pids", "a") as f:
+            f.write(f"{self.trainer.world_size} {os.getpid()}\n")
         return super().training_step(batch, batch_idx)
 
 
 def test_a_sharded_fit_grows_from_two_to_three_workers_at_an_epoch_end(ray_local, no_waiting_workers, tmp_path):
     """Room for a third worker (another job's reservation ends) during epoch 0: epoch 1 runs on three, resumed from
-    the checkpoint the two ranks wrote, a shard each."""
+    the checkpoint the two ranks wrote, a shard each, in their running processes with a third beside them."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from ray_lightning import RayFSDPStrategy
@@ -333,6 +343,11 @@ def test_a_sharded_fit_grows_from_two_to_three_workers_at_an_epoch_end(ray_local
     assert not fit.is_alive() and not errors, errors
     (grow,) = trainer.strategy.restarts
     assert (grow.reason, grow.world_size, grow.epoch, grow.global_step) == ("grow", 3, 1, 2), grow
+    # From the checkpoint, in the two running processes, with a third beside them.
+    assert grow.source == "checkpoint", grow
+    pids = [line.split() for line in (tmp_path / "pids").read_text().splitlines()]
+    on_two, on_three = ({pid for world, pid in pids if world == w} for w in ("2", "3"))
+    assert len(on_two) == 2 and len(on_three) == 3 and on_two < on_three, pids
     assert trainer.world_size == 3 and trainer.global_step == 4, "2 steps of 24 samples an epoch on 2 and on 3"
     assert trainer.callback_metrics["batch"].item() == 8 and not torch.equal(model.layer.weight, before)
 

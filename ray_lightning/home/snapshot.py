@@ -82,6 +82,24 @@ def _interrupted() -> bool:
         return False
 
 
+def leave_if_interrupted(trainer: pl.Trainer) -> None:
+    """Raise :class:`CallInterrupted` if the driver ended the call (an elastic fit grows in its running processes)."""
+    if _interrupted():
+        raise CallInterrupted(f"ray_lightning: the driver interrupted this fit at step {trainer.global_step}")
+
+
+class LeavesWhenInterrupted(*namespaces.every("callbacks.Callback")):
+    """On every rank of an elastic fit that goes on from checkpoints (sharded): leaves the call at a training batch's
+    start once the driver cancelled it, as :class:`MemorySnapshot` does for a replicated fit; the fit then goes on
+    from the newest checkpoint in these processes."""
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        leave_if_interrupted(trainer)
+
+
 class MemorySnapshot(*namespaces.every("callbacks.Callback")):
     """On every rank of a replicated fit that may restart: keeps its state when the fit fails inside a training
     batch (see the module docstring)."""
@@ -98,8 +116,7 @@ class MemorySnapshot(*namespaces.every("callbacks.Callback")):
         self._in_batch = True
         if _lightning.batches_processed(trainer) % max(1, trainer.accumulate_grad_batches) == 0:
             self._random_states = random_states()  # where a resumed run starts: the first batch of a step
-        if _interrupted():  # the driver ended the call (an elastic fit grows): leave it here, state kept
-            raise CallInterrupted(f"ray_lightning: the driver interrupted this fit at step {trainer.global_step}")
+        leave_if_interrupted(trainer)  # state kept
 
     @override
     def on_train_batch_end(

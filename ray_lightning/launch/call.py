@@ -33,7 +33,7 @@ from ray_lightning.home.outbox import Outbox
 from ray_lightning.home.predictions import PredictionRecorder
 from ray_lightning.home.recovery import RecoveryCheckpoints, RestoreRandomStates
 from ray_lightning.home.results import WorkerOutput, collect_worker_output
-from ray_lightning.home.snapshot import MemorySnapshot
+from ray_lightning.home.snapshot import LeavesWhenInterrupted, MemorySnapshot
 from ray_lightning.launch import priority
 from ray_lightning.launch.payload import with_checkpoint_path
 from ray_lightning.launch.preemption import PreemptionWatch, SigtermFirst, where_this_runs
@@ -233,6 +233,8 @@ def _add_recovery(trainer: pl.Trainer, context: WorkerContext, staging: str | No
     trainer.callbacks.append(ElasticTraining(high, low, policy))
     if plan.from_memory:
         trainer.callbacks.append(MemorySnapshot(plan.attempt))  # what a restart goes on from (home.snapshot)
+    elif plan.elastic:
+        trainer.callbacks.append(LeavesWhenInterrupted())  # a grow in these processes, from the newest checkpoint
     # A sharded strategy's checkpoints take every rank.
     collective = bool(getattr(trainer.strategy, "collective_checkpoints", False))
     run = plan.storage_run

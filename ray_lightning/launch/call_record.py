@@ -128,7 +128,7 @@ def stop_check(
     def stop() -> RayWorkerError | None:
         error = call.recovery.stop_for_preemption()
         if error is None and call.growth is not None:
-            return call.growth.check(size, call.recovery.latest, lambda: held(in_memory), in_memory, reserve)
+            return call.growth.check(size, call.recovery.latest, lambda: held(True), in_memory, reserve)
         return error
 
     return stop

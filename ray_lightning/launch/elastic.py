@@ -8,15 +8,14 @@ has arrived (an epoch's end, or every ``recovery_checkpoint_every_n_steps`` step
 after a lost node (read at once), else the cluster's free room (:func:`~.probes.free_room`, placement groups that
 take up to seconds to say no). That probe runs in a thread of its own: the driver's loop goes on running rank 0's
 calls meanwhile (a synchronous 2 s probe at every checkpoint once left the driver minutes behind the workers, and
-decided on a checkpoint 700 steps old). When room is found, the attempt ends with
-:class:`~ray_lightning.errors.WorkersGrowError` and the fit restarts from the newest checkpoint on
-more workers (:mod:`.failures` restarts it without counting it against ``max_failures``). A step's checkpoint cuts
-its epoch in two: the rest of the epoch's data order is dealt over the new workers (:mod:`ray_lightning.data`, and
-a plain ``DataLoader``'s sampler), as after a lost node. Not after the last checkpoint of the fit: nothing would be
-left to train.
+decided on a checkpoint 700 steps old). Not after the last checkpoint of the fit: nothing would be left to train.
+A grow ends the attempt with :class:`~ray_lightning.errors.WorkersGrowError` (:mod:`.failures` restarts it without
+counting it against ``max_failures``); a fit that goes on from a step's checkpoint deals the rest of that epoch's data
+order over the new workers (:mod:`ray_lightning.data`, and a plain ``DataLoader``'s sampler), as after a lost node.
 
-A fit whose ranks each hold its state (DDP, Horovod) grows without a checkpoint and without restarting a process,
-into its own bundles placed again and into room the probe finds beyond them, which the probe then reserves as a
+A fit grows without restarting a process (DDP and Horovod, whose ranks each hold the state, without a checkpoint
+either; sharded ones from the newest checkpoint), into its own bundles placed again and into room the probe finds
+beyond them, which the probe then reserves as a
 placement group of its own that the worker group adds to its reservation (:meth:`~.worker_group.WorkerGroup.extend`;
 while it waits to be grown into, no other probe runs). It asks about those bundles every :data:`HELD_POLL_S` (the
 driver asks at least every second, :data:`~.poll.STOP_CHECK_S`, also while no worker sends anything), a worker starts
@@ -70,7 +69,7 @@ class Growth:
         self.max_steps = max_steps
         self._checked_at = float("-inf")
         self._held_at = float("-inf")
-        self._seen: Any = None
+        self._seen: Any = None  # the checkpoint the last probe of the cluster was started at
         self._asked = False  # whether this call asked the autoscaler for room
         self._no_autoscaler = False
         # The probe of the cluster's free room running in its thread: (thread, the size it is for, its answer: the
@@ -121,11 +120,11 @@ class Growth:
         ``checkpoint``: the newest recovery checkpoint (with ``epoch``, ``global_step`` and ``reason``), or None.
         ``spare``: bundles the running group holds placed but unused (after a lost node, placed again by Ray),
         room that a probe for a new placement group cannot see. Returns at once: a probe of the cluster's free
-        room answers at a later message. ``in_memory``: every rank holds the fit's state (DDP, Horovod); a grow into
-        ``spare`` bundles alone then keeps the running processes (:attr:`WorkersGrowError.into_held`), and ``spare``
-        counts a bundle once the worker started in it meanwhile is up (:mod:`.standby`). ``reserve(pg)``: given, room
-        the probe finds beyond those bundles is reserved there (a placement group, placed) and becomes ``spare``
-        bundles, so that an in-memory fit grows into it in its running processes too.
+        room answers at a later message. ``reserve(pg)``: given, room the probe finds beyond those bundles is reserved
+        there (a placement group, placed) and becomes ``spare`` bundles, and every grow keeps the running processes
+        (:attr:`WorkersGrowError.into_held`): ``spare`` then counts a bundle once the worker started in it meanwhile
+        is up (:mod:`.standby`), at any batch. ``in_memory``: every rank holds the fit's state (DDP, Horovod): such a
+        grow goes on from it (also without ``reserve``); else from the newest checkpoint, in the same processes.
         """
         most = self.settings.max_workers - size
         if most <= 0 or checkpoint is None:
@@ -134,35 +133,37 @@ class Growth:
             return None  # the attempt stops for the notice; the restart after it places what the cluster holds
         if self._nothing_left(checkpoint):
             return None
-        (extra, room), held, now = self._probed(size), 0, time.monotonic()
+        (extra, room), now = self._probed(size), time.monotonic()
         if room is not None and reserve is not None:
-            reserve(room)  # its workers start at the next poll below, beside the running ones
+            reserve(room)  # its workers start at the poll below, beside the running ones
             extra, self._held_at, self._reserved = 0, float("-inf"), True
-        if not extra and in_memory and now - self._held_at >= HELD_POLL_S:
+        if (in_memory or reserve is not None) and now - self._held_at >= HELD_POLL_S:
             self._held_at = now
-            held = extra = min(spare(), most)  # a worker starts in each, counted once it is up (.standby)
+            up = min(spare(), most)  # a worker starts in each bundle, counted once it is up (.standby)
+            if up:  # at the next batch: from memory, or (sharded) from the newest checkpoint, in these processes
+                self._reserved = False
+                return self._error(size, up, checkpoint, in_place=True, in_memory=in_memory)
         due = now - self._checked_at >= self.settings.grow_check_interval_s
         if not extra and checkpoint is not self._seen and self._probe is None and due and not self._reserved:
             self._seen, self._checked_at = checkpoint, now
-            held = 0 if in_memory else min(spare(), most)
+            held = 0 if in_memory or reserve is not None else min(spare(), most)
             if held:  # room now: the rest is asked for here, as the restart follows anyway
                 extra = held + free_room(self.request, most - held)
             else:
-                self._start_probe(size, most, keep=in_memory and reserve is not None)
-        if not extra:
-            return None
-        into_held = in_memory and 0 < held == extra
-        self._reserved = False
-        where = (
-            "the running workers' next step, with new ones beside them"
-            if into_held
-            else f"the recovery checkpoint at epoch {checkpoint.epoch}, step {checkpoint.global_step}"
-        )
+                self._start_probe(size, most, keep=reserve is not None)
+        return self._error(size, extra, checkpoint, in_place=False, in_memory=in_memory) if extra else None
+
+    def _error(self, size: int, extra: int, checkpoint: Any, in_place: bool, in_memory: bool) -> WorkersGrowError:
+        if in_place and in_memory:
+            where = "the running workers' next step, with new ones beside them"
+        else:
+            where = f"the recovery checkpoint at epoch {checkpoint.epoch}, step {checkpoint.global_step}"
+            where += ", in the running workers with new ones beside them" if in_place else ""
         return WorkersGrowError(
             f"ray_lightning: the cluster can hold {size + extra} workers now (num_workers=({self.settings.min_workers},"
             f" {self.settings.max_workers}), {size} running); the fit goes on from {where}, on {size + extra}.",
             size + extra,
-            into_held,
+            in_place,
         )
 
     def _start_probe(self, size: int, most: int, keep: bool = False) -> None:
