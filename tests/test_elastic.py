@@ -6,13 +6,13 @@ The multi-node resizes (start on 2, grow to 3, go on with 2 after a lost node) a
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import threading
 from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
-import ray
 import torch
 from torch.utils.data import DistributedSampler
 
@@ -237,6 +237,79 @@ def test_a_fit_held_in_memory_reserves_the_room_it_finds_and_grows_into_it_once_
     assert removed == ["pg"]
 
 
+class _Group:
+    """A placement group as :class:`~ray_lightning.launch.placement.Placement` sees one: an id."""
+
+    def __init__(self, name: str) -> None:
+        self.id = name
+
+
+def test_a_placement_spans_the_group_it_grew_into_and_gives_back_those_no_worker_uses(monkeypatch):
+    from ray_lightning.launch import placement as placement_module
+    from ray_lightning.launch.placement import Placement
+
+    main, grown, spare_room = _Group("main"), _Group("grown"), _Group("spare")
+    where = {"main": {0: "a", 1: "b", 2: "c"}, "grown": {0: "d"}, "spare": {0: "e"}}
+    monkeypatch.setattr(Placement, "_read", lambda self, pg: (where[pg.id], True, {"a", "b", "c", "d", "e"}))
+    removed = []
+    monkeypatch.setattr(placement_module, "remove_placement_group", lambda pg: removed.append(pg.id))
+    placement = Placement(main, [0, 1, 2], ["a", "b", "c"])
+    placement.keep([0, 2], ["a", "c"])  # bundle 1's node was lost
+    assert (placement.bundles, placement.nodes, [g.id for g in placement.groups]) == ([0, 2], ["a", "c"], ["main"] * 2)
+    placement.extend(grown)
+    placement.extend(spare_room)
+    # Bundle 1 placed again, and both reserved groups: room, in order.
+    assert [(g.id, b, n) for g, b, n in placement.placed_unused()] == [
+        ("main", 1, "b"),
+        ("grown", 0, "d"),
+        ("spare", 0, "e"),
+    ]
+    placement.add(grown, 0, "d")
+    assert placement.nodes_now() == ["a", "c", "d"]
+    placement.release_unused()
+    assert removed == ["spare"] and placement.extensions == [grown]
+    placement.release()
+    assert removed == ["spare", "main", "grown"]
+
+
+def test_a_grow_adds_no_more_workers_than_it_was_decided_for(monkeypatch):
+    """Room placed beyond what the grow counted (a lost node's bundles placed again meanwhile): the most is kept."""
+    from ray_lightning.environment import assign_ranks
+    from ray_lightning.launch.placement import Placement
+    from ray_lightning.launch.worker_group import WorkerGroup
+
+    main, grown = _Group("main"), _Group("grown")
+    where = {"main": {0: "a", 1: "b", 2: "c"}, "grown": {0: "d"}}
+    monkeypatch.setattr(Placement, "_read", lambda self, pg: (where[pg.id], True, {"a", "b", "c", "d"}))
+    placement = Placement(main, [0], ["a"])
+    placement.extend(grown)
+    group = WorkerGroup(placement, assign_ranks(placement.nodes))
+    group.actors = ["actor 0"]
+    monkeypatch.setattr(group, "_new_actor", lambda i, spare=False, slot=None: f"actor {i}")
+    monkeypatch.setattr(placement, "release_unused", lambda: None)
+    group._add_placed(most=2)  # 3 bundles unused: the main group's 1 and 2, the grown group's 0
+    assert group.actors == ["actor 0", "actor 1", "actor 2"] and len(group.ranks) == 3
+    assert [(g.id, b) for g, b in zip(placement.groups, placement.bundles)] == [("main", 0), ("main", 1), ("main", 2)]
+
+
+def test_room_reserved_in_an_attempt_that_failed_does_not_stop_the_next_from_probing(monkeypatch):
+    import ray_lightning.launch.elastic as elastic
+
+    monkeypatch.setattr(elastic, "free_room", lambda request, most: most)
+    monkeypatch.setattr(elastic, "placed_at_once", lambda request: _Group("room"))
+    growth = Growth(ElasticSettings(2, 3, grow_check_interval_s=0), resolve_worker_resources(2), 3, -1)
+    reserved: list = []
+    assert growth.check(2, _Checkpoint(1, 4), lambda: 0, True, reserved.append) is None  # the probe starts
+    growth.wait_for_probe(10)
+    assert growth.check(2, _Checkpoint(1, 5), lambda: 0, True, reserved.append) is None and len(reserved) == 1
+    assert growth.check(2, _Checkpoint(1, 6), lambda: 0, True, reserved.append) is None
+    assert growth._probe is None, "no probe while the reserved room's worker starts"
+    growth.attempt_started()  # the attempt failed: its group, and the room with it, were released
+    assert growth.check(2, _Checkpoint(1, 7), lambda: 0, True, reserved.append) is None
+    assert growth._probe is not None, "the next attempt asks the cluster again"
+    growth.close()
+
+
 class LogsLearningRate(BoringModel):
     def __init__(self, batch_size: int = 8) -> None:
         super().__init__(lr=0.3, batch_size=batch_size, size=48)
@@ -294,8 +367,8 @@ def test_two_of_three_workers_keep_the_global_batch_of_three(ray_local, strategy
 
 class WaitsForRoom(LogsBatch):
     """On two workers, rank 0 waits at its first batch (bounded) until the test freed room for a third, and at epoch
-    1's first batch until the driver decided to grow (its checkpoint is written beside training, so epoch 1 could
-    otherwise end before the driver heard of it)."""
+    1's first batch until the worker the driver started in that room is up (epochs are short: the fit would otherwise
+    end before it is); every rank writes its world size and pid at each batch."""
 
     def __init__(self, directory: str) -> None:
         super().__init__()
@@ -306,17 +379,18 @@ class WaitsForRoom(LogsBatch):
             (Path(self.directory) / "asked").touch()
             wait_for(lambda: (Path(self.directory) / "freed").exists(), 120, "the test to free room for a worker")
         if self.trainer.world_size == 2 and self.global_rank == 0 and (self.current_epoch, batch_idx) == (1, 0):
-            # Or until the driver cancels the call to grow in these processes (launch.worker_group.interrupt).
-            grown = lambda: (Path(self.directory) / "grown").exists() or ray.get_runtime_context().is_canceled()  # noqa: E731
-            wait_for(grown, 120, "the driver to grow the fit")
+            wait_for(lambda: (Path(self.directory) / "up").exists(), 120, "the third worker to be up")
         with open(Path(self.directory) / "pids", "a") as f:
             f.write(f"{self.trainer.world_size} {os.getpid()}\n")
         return super().training_step(batch, batch_idx)
 
 
-def test_a_sharded_fit_grows_from_two_to_three_workers_at_an_epoch_end(ray_local, no_waiting_workers, tmp_path):
-    """Room for a third worker (another job's reservation ends) during epoch 0: epoch 1 runs on three, resumed from
-    the checkpoint the two ranks wrote, a shard each, in their running processes with a third beside them."""
+def test_a_sharded_fit_grows_from_two_to_three_workers_in_its_processes(
+    ray_local, no_waiting_workers, tmp_path, caplog
+):
+    """Room for a third worker (another job's reservation ends) during epoch 0: the driver reserves it and starts a
+    worker there while the fit trains on; at the first epoch end after that worker is up, the fit goes on on three
+    from the checkpoint the two ranks wrote there (a shard each), in their running processes."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from ray_lightning import RayFSDPStrategy
@@ -326,7 +400,7 @@ def test_a_sharded_fit_grows_from_two_to_three_workers_at_an_epoch_end(ray_local
     strategy = RayFSDPStrategy(
         num_workers=(2, 3), resources_per_worker={"CPU": 1, "custom_accel": 1}, grow_check_interval_s=0
     )
-    trainer = pl.Trainer(max_epochs=2, strategy=strategy, enable_progress_bar=False, logger=False)
+    trainer = pl.Trainer(max_epochs=4, strategy=strategy, enable_progress_bar=False, logger=False)
     model = WaitsForRoom(str(tmp_path))
     before = model.layer.weight.detach().clone()
     errors: list[BaseException] = []
@@ -337,19 +411,23 @@ def test_a_sharded_fit_grows_from_two_to_three_workers_at_an_epoch_end(ray_local
     finally:
         remove_placement_group(other_job)
     (tmp_path / "freed").touch()
-    wait_for(lambda: trainer.strategy.restarts or not fit.is_alive(), 120, "the driver to grow the fit")
-    (tmp_path / "grown").touch()
+    caplog.set_level(logging.INFO, logger="ray_lightning.launch.elastic")
+    up = lambda: any("new worker(s) up" in r.getMessage() for r in caplog.records)  # noqa: E731 - the driver's
+    wait_for(lambda: up() or not fit.is_alive(), 120, "the driver to see a third worker up")
+    (tmp_path / "up").touch()
     fit.join(timeout=300)
     assert not fit.is_alive() and not errors, errors
     (grow,) = trainer.strategy.restarts
-    assert (grow.reason, grow.world_size, grow.epoch, grow.global_step) == ("grow", 3, 1, 2), grow
-    # From the checkpoint, in the two running processes, with a third beside them.
-    assert grow.source == "checkpoint", grow
+    # Decided at epoch 1's end, the first checkpoint after the third worker was up; it goes on from the newest when
+    # the ranks left the call (epoch 2's end, when its two short steps ran before the cancel reached a batch).
+    assert (grow.reason, grow.world_size, grow.source) == ("grow", 3, "checkpoint"), grow
+    assert grow.epoch in (2, 3) and grow.global_step == 2 * grow.epoch, grow
+    assert "at the next recovery checkpoint" in caplog.text
+    assert trainer.world_size == 3 and trainer.global_step == 8, "2 steps of 24 samples an epoch on 2 and on 3"
+    assert trainer.callback_metrics["batch"].item() == 8 and not torch.equal(model.layer.weight, before)
     pids = [line.split() for line in (tmp_path / "pids").read_text().splitlines()]
     on_two, on_three = ({pid for world, pid in pids if world == w} for w in ("2", "3"))
-    assert len(on_two) == 2 and len(on_three) == 3 and on_two < on_three, pids
-    assert trainer.world_size == 3 and trainer.global_step == 4, "2 steps of 24 samples an epoch on 2 and on 3"
-    assert trainer.callback_metrics["batch"].item() == 8 and not torch.equal(model.layer.weight, before)
+    assert len(on_two) == 2 and len(on_three) == 3 and on_two < on_three, "the two processes went on, one beside"
 
 
 def _recorded(errors: list, function, *args) -> None:

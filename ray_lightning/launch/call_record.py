@@ -124,6 +124,8 @@ def stop_check(
     bundles placed and unused (a lost node's, placed again; :meth:`~.worker_group.WorkerGroup.held_room`);
     ``reserve(pg)``: room found beyond them, reserved for the group (:meth:`~.worker_group.WorkerGroup.extend`)."""
     in_memory = call.recovery.from_memory
+    if call.growth is not None:
+        call.growth.attempt_started()
 
     def stop() -> RayWorkerError | None:
         error = call.recovery.stop_for_preemption()

@@ -77,6 +77,13 @@ class Growth:
         self._probe: tuple[threading.Thread, int, list[tuple[int, Any]]] | None = None
         self._reserved = False  # room reserved (``reserve``) that the fit has not grown into yet: no probe meanwhile
         self._closed = threading.Event()
+        self._newest: tuple[Any, float] = (None, float("-inf"))  # the newest checkpoint and when it arrived
+        # Workers started in the group's unused bundles: how many were up at the last poll, and since when.
+        self._up, self._up_since = 0, float("inf")
+
+    def attempt_started(self) -> None:
+        """A new attempt of the call: room reserved in an earlier one is the group's or was released with it."""
+        self._reserved, self._up, self._up_since = False, 0, float("inf")
 
     def ask_autoscaler(self, size: int) -> None:
         """Running on ``size`` workers: on a cluster with an autoscaler, ask it for room for the most (once)."""
@@ -97,9 +104,7 @@ class Growth:
         take back the autoscaler request, if this call made one."""
         self._closed.set()  # a probe still running gives back what it reserves
         self.wait_for_probe(PROBE_S * (math.ceil(math.log2(max(self.settings.max_workers, 2))) + 2))
-        _, _, room = self._probe_answer()
-        if room is not None:  # found after the call ended: nothing holds it
-            remove_placement_group(room)
+        _give_back(self._probe_answer()[2])  # found after the call ended: nothing holds it
         if self._asked:
             from ray.autoscaler.sdk import request_resources
 
@@ -126,23 +131,37 @@ class Growth:
         is up (:mod:`.standby`), at any batch. ``in_memory``: every rank holds the fit's state (DDP, Horovod): such a
         grow goes on from it (also without ``reserve``); else from the newest checkpoint, in the same processes.
         """
-        most = self.settings.max_workers - size
-        if most <= 0 or checkpoint is None:
+        most, (extra, room), now = self.settings.max_workers - size, self._probed(size), time.monotonic()
+        # No grow at the most workers, before a checkpoint, for a preemption's (the attempt stops for the notice; the
+        # restart places what the cluster holds), nor after the last: a room found meanwhile is given back.
+        if (
+            most <= 0
+            or checkpoint is None
+            or checkpoint.reason.startswith(PREEMPTION)
+            or self._nothing_left(checkpoint)
+        ):
+            _give_back(room)
             return None
-        if checkpoint.reason.startswith(PREEMPTION):
-            return None  # the attempt stops for the notice; the restart after it places what the cluster holds
-        if self._nothing_left(checkpoint):
-            return None
-        (extra, room), now = self._probed(size), time.monotonic()
+        if checkpoint is not self._newest[0]:
+            self._newest = (checkpoint, now)
         if room is not None and reserve is not None:
             reserve(room)  # its workers start at the poll below, beside the running ones
             extra, self._held_at, self._reserved = 0, float("-inf"), True
-        if (in_memory or reserve is not None) and now - self._held_at >= HELD_POLL_S:
-            self._held_at = now
-            up = min(spare(), most)  # a worker starts in each bundle, counted once it is up (.standby)
-            if up:  # at the next batch: from memory, or (sharded) from the newest checkpoint, in these processes
-                self._reserved = False
-                return self._error(size, up, checkpoint, in_place=True, in_memory=in_memory)
+        in_place = in_memory or reserve is not None
+        if in_place and now - self._held_at >= HELD_POLL_S:
+            self._held_at, self._up = now, min(spare(), most)  # a worker starts in each bundle, counted once up
+            if self._up and self._up_since == float("inf"):
+                log.info("ray_lightning: %d new worker(s) up beside the %d running; the fit grows to %d at the next %s",
+                         self._up, size, size + self._up, "batch" if in_memory else "recovery checkpoint")  # fmt: skip
+            self._up_since = min(self._up_since, now) if self._up else float("inf")
+            if self._up and in_memory:  # at the next batch, from memory
+                up, _ = self._up, self.attempt_started()
+                return self._error(size, up, checkpoint, in_place=True, in_memory=True)
+        if in_place and self._up and self._newest[1] >= self._up_since:
+            # Sharded: from the first checkpoint that arrived once they were up (the fit trains on meanwhile), so
+            # that little is trained again, in these processes.
+            up, _ = self._up, self.attempt_started()
+            return self._error(size, up, checkpoint, in_place=True, in_memory=in_memory)
         due = now - self._checked_at >= self.settings.grow_check_interval_s
         if not extra and checkpoint is not self._seen and self._probe is None and due and not self._reserved:
             self._seen, self._checked_at = checkpoint, now
@@ -174,9 +193,8 @@ class Growth:
             try:
                 extra = free_room(self.request, most)
                 room = placed_at_once(self.request.with_workers(extra)) if keep and extra else None
-                if room is not None and self._closed.is_set():  # the call ended meanwhile
-                    remove_placement_group(room)
-                    room = None
+                if self._closed.is_set():  # the call ended meanwhile
+                    room = _give_back(room)
                 # Kept, the room counts once reserved (another job may have taken it since the probe: none then).
                 answer.append((0, room) if keep and room is None else (extra, room))
             except Exception as error:  # noqa: BLE001 - a probe that fails finds no room; the next check asks again
@@ -193,8 +211,8 @@ class Growth:
         if self._probe is None or self._probe[0].is_alive():
             return 0, None
         probed_for, extra, room = self._probe_answer()
-        if probed_for != size and room is not None:  # for another size: room for the wrong number of workers
-            remove_placement_group(room)
+        if probed_for != size:  # for another size: room for the wrong number of workers
+            _give_back(room)
         return (extra, room) if probed_for == size else (0, None)
 
     def _probe_answer(self) -> tuple[int, int, Any]:
@@ -214,3 +232,10 @@ class Growth:
         if self.max_epochs is not None and 0 <= self.max_epochs <= checkpoint.epoch:
             return True
         return self.max_steps is not None and 0 <= self.max_steps <= checkpoint.global_step
+
+
+def _give_back(room: Any) -> None:
+    """Remove a placement group reserved for a grow that no group took (None: nothing); a cluster gone is fine."""
+    if room is not None:
+        with contextlib.suppress(Exception):
+            remove_placement_group(room)

@@ -225,7 +225,7 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
         """Raise the failure, or return the group the next attempt runs on."""
         failure = attempt.failure
         assert failure is not None
-        grow = decision.keep_processes and isinstance(failure.error, WorkersGrowError)
+        grow = failure.error.size if decision.keep_processes and isinstance(failure.error, WorkersGrowError) else 0
         if grow:  # into the fit's own bundles (launch.elastic): every rank leaves the call at its next batch
             attempt.group.interrupt(SALVAGE_WAIT_S)
         if not decision.keep_processes and failure.kind not in ENDS_ITSELF:

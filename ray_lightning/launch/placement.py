@@ -113,6 +113,14 @@ class Placement:
         """Own ``pg`` too (placed, for an elastic grow): its bundles are room to grow into, released with the rest."""
         self.extensions.append(pg)
 
+    def release_unused(self) -> None:
+        """Give back the groups reserved for a grow (:meth:`extend`) that no worker draws from."""
+        used = {pg.id for pg in self.groups}
+        for pg in [pg for pg in self.extensions if pg.id not in used]:
+            self.extensions.remove(pg)
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+
     def release(self) -> None:
         """Give the reservations back, if they are this launch's own."""
         if self.owned:

@@ -127,7 +127,7 @@ class WorkerGroup:
         self.spares = {}
 
     def salvage(
-        self, wait_s: float, min_workers: int | None = None, placed_wait_s: float = 0.0, grow: bool = False
+        self, wait_s: float, min_workers: int | None = None, placed_wait_s: float = 0.0, grow_to: int = 0
     ) -> WorkerGroup | None:
         """After a worker or node was lost in a call: this group, with new workers for those that cannot go on.
 
@@ -140,8 +140,8 @@ class WorkerGroup:
         does not wait, it goes on without the workers whose bundles are not placed, as long as ``min_workers``
         are left. Ranks are given again from where the workers are. None, with the group shut down, when no
         worker is left to keep or the bundles stay unplaced (the restart then starts a new group wherever the
-        cluster can hold it). ``grow``: an elastic fit grows into its own bundles that Ray placed again (its call
-        ended by :meth:`interrupt`): a new worker starts in each.
+        cluster can hold it). ``grow_to``: an elastic fit grows to this many workers into its own bundles placed and
+        unused (its call ended by :meth:`interrupt`): a worker in each, the one started there meanwhile if it is up.
         """
         self._let_go_ended()
         self.spares_taken = 0
@@ -150,8 +150,8 @@ class WorkerGroup:
         if not kept:
             self.shutdown()
             return None
-        if grow:
-            self._add_placed()
+        if grow_to:
+            self._add_placed(grow_to - len(self.actors))
         running = kept
         replaced: set[int] = set()
         for timeout in (0, wait_s):  # the dead ones' processes start first, then the stuck ones'
@@ -221,16 +221,18 @@ class WorkerGroup:
         :meth:`held_room`, and joins with the next grow."""
         self.placement.extend(pg)
 
-    def _add_placed(self) -> None:
-        """A worker in each of the group's own bundles placed that no worker uses (the one started there by
-        :meth:`held_room`, else a new one); ranks given again."""
-        for pg, bundle, node in self.placement.placed_unused():
+    def _add_placed(self, most: int) -> None:
+        """A worker in each of the group's own bundles placed that no worker uses, ``most`` at most (the one started
+        there by :meth:`held_room`, else a new one); ranks given again. A reserved group left without a worker is given
+        back."""
+        for pg, bundle, node in self.placement.placed_unused()[: max(0, most)]:
             self.placement.add(pg, bundle, node)
         self.ranks = assign_ranks(self.placement.nodes)
         new = range(len(self.actors), len(self.ranks))
         slots = [(self.placement.groups[i], self.placement.bundles[i]) for i in new]
         self.actors += [self.newcomers.take(slot) or self._new_actor(i) for i, slot in zip(new, slots)]
-        self.newcomers.stop()  # any left: in bundles Ray moved meanwhile
+        self.newcomers.stop()  # any left: in bundles Ray moved meanwhile, or beyond the most
+        self.placement.release_unused()
 
     def came_out(self, global_rank: int, wait_s: float) -> Any | None:
         """After a failed call: the actor of ``global_rank`` if its process comes out of the call alive within
@@ -340,6 +342,8 @@ class WorkerGroup:
         ranks = [c.rank.global_rank for c in contexts]
         outputs = wait_for_outputs(refs, ranks, self.infos, channel, watchdog, stop, collective_errors)
         self._running = []
+        self.newcomers.stop()  # started for a grow the call did not live to make
+        self.placement.release_unused()
         for actor in self.actors:
             # Clean up for the next call while the driver goes on; or, keeping the call's state, only wait at Ray's
             # niceness (the clean-up then runs when the next call starts).
