@@ -208,13 +208,14 @@ def test_a_fit_held_in_memory_reserves_the_room_it_finds_and_grows_into_it_once_
     """Room beyond the fit's own bundles (a node that joined): the probe reserves it (a placement group), the group
     starts workers there (``reserve``, then ``spare``), and the fit grows into it in its running processes."""
     import ray_lightning.launch.elastic as elastic
+    from ray_lightning.launch import placement as placement_module
 
     monkeypatch.setattr(elastic, "HELD_POLL_S", 0.0)
     monkeypatch.setattr(elastic, "free_room", lambda request, most: most)
     placed = []
     monkeypatch.setattr(elastic, "placed_at_once", lambda request: placed.append(request.num_workers) or "pg")
     removed = []
-    monkeypatch.setattr(elastic, "remove_placement_group", removed.append)
+    monkeypatch.setattr(placement_module, "remove_placement_group", removed.append)
     reserved: list = []
     up = [0]
     spare = lambda: up[0] if reserved else 0  # noqa: E731 - the reserved group's workers, once up
@@ -244,13 +245,22 @@ class _Group:
         self.id = name
 
 
+def _cluster_says(monkeypatch, where: dict, alive: set) -> None:
+    """Ray's placement-group table (``where``: group id -> bundle -> node, every group placed) and its alive nodes."""
+    from ray_lightning.launch import placement as placement_module
+
+    table = lambda pg: {"bundles_to_node_id": where[pg.id], "state": "CREATED"}  # noqa: E731
+    monkeypatch.setattr(placement_module, "placement_group_table", table)
+    monkeypatch.setattr(placement_module.ray, "nodes", lambda: [{"NodeID": n, "Alive": True} for n in alive])
+
+
 def test_a_placement_spans_the_group_it_grew_into_and_gives_back_those_no_worker_uses(monkeypatch):
     from ray_lightning.launch import placement as placement_module
     from ray_lightning.launch.placement import Placement
 
     main, grown, spare_room = _Group("main"), _Group("grown"), _Group("spare")
     where = {"main": {0: "a", 1: "b", 2: "c"}, "grown": {0: "d"}, "spare": {0: "e"}}
-    monkeypatch.setattr(Placement, "_read", lambda self, pg: (where[pg.id], True, {"a", "b", "c", "d", "e"}))
+    _cluster_says(monkeypatch, where, {"a", "b", "c", "d", "e"})
     removed = []
     monkeypatch.setattr(placement_module, "remove_placement_group", lambda pg: removed.append(pg.id))
     placement = Placement(main, [0, 1, 2], ["a", "b", "c"])
@@ -280,7 +290,7 @@ def test_a_grow_adds_no_more_workers_than_it_was_decided_for(monkeypatch):
 
     main, grown = _Group("main"), _Group("grown")
     where = {"main": {0: "a", 1: "b", 2: "c"}, "grown": {0: "d"}}
-    monkeypatch.setattr(Placement, "_read", lambda self, pg: (where[pg.id], True, {"a", "b", "c", "d"}))
+    _cluster_says(monkeypatch, where, {"a", "b", "c", "d"})
     placement = Placement(main, [0], ["a"])
     placement.extend(grown)
     group = WorkerGroup(placement, assign_ranks(placement.nodes))

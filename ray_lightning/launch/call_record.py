@@ -117,11 +117,11 @@ def staging_area(nodes: Mapping[int, NodeInfo], settings: CallSettings) -> files
 
 
 def stop_check(
-    call: DriverCall, size: int, held: Callable[[bool], int], reserve: Callable[[Any], None] | None = None
+    call: DriverCall, size: int, held: Callable[[], int], reserve: Callable[[Any], None] | None = None
 ) -> Callable[[], RayWorkerError | None]:
     """What ends an attempt early, checked after each message of the workers: a preemption rank 0 checkpointed
-    for, or (elastic) room for more workers once a recovery checkpoint arrived. ``held(newcomers)``: the group's own
-    bundles placed and unused (a lost node's, placed again; :meth:`~.worker_group.WorkerGroup.held_room`);
+    for, or (elastic) room for more workers once a recovery checkpoint arrived. ``held()``: the group's own bundles
+    placed and unused whose worker started there is up (:meth:`~.worker_group.WorkerGroup.held_room`);
     ``reserve(pg)``: room found beyond them, reserved for the group (:meth:`~.worker_group.WorkerGroup.extend`)."""
     in_memory = call.recovery.from_memory
     if call.growth is not None:
@@ -130,7 +130,7 @@ def stop_check(
     def stop() -> RayWorkerError | None:
         error = call.recovery.stop_for_preemption()
         if error is None and call.growth is not None:
-            return call.growth.check(size, call.recovery.latest, lambda: held(True), in_memory, reserve)
+            return call.growth.check(size, call.recovery.latest, held, in_memory, reserve)
         return error
 
     return stop

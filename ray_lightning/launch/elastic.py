@@ -41,13 +41,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ray.util.placement_group import remove_placement_group
-
 from ray_lightning.config.elastic import ElasticSettings
 from ray_lightning.config.resources import WorkerResources
 from ray_lightning.errors import WorkersGrowError
 from ray_lightning.home.recovery import PREEMPTION
 from ray_lightning.launch.autoscaler import find_autoscaler
+from ray_lightning.launch.placement import give_back
 from ray_lightning.launch.probes import PROBE_S, free_room, placed_at_once
 
 # How often a fit whose ranks hold its state asks about its own bundles placed again (a read of Ray's tables; the
@@ -104,7 +103,7 @@ class Growth:
         take back the autoscaler request, if this call made one."""
         self._closed.set()  # a probe still running gives back what it reserves
         self.wait_for_probe(PROBE_S * (math.ceil(math.log2(max(self.settings.max_workers, 2))) + 2))
-        _give_back(self._probe_answer()[2])  # found after the call ended: nothing holds it
+        give_back(self._probe_answer()[2])  # found after the call ended: nothing holds it
         if self._asked:
             from ray.autoscaler.sdk import request_resources
 
@@ -140,7 +139,7 @@ class Growth:
             or checkpoint.reason.startswith(PREEMPTION)
             or self._nothing_left(checkpoint)
         ):
-            _give_back(room)
+            give_back(room)
             return None
         if checkpoint is not self._newest[0]:
             self._newest = (checkpoint, now)
@@ -194,7 +193,8 @@ class Growth:
                 extra = free_room(self.request, most)
                 room = placed_at_once(self.request.with_workers(extra)) if keep and extra else None
                 if self._closed.is_set():  # the call ended meanwhile
-                    room = _give_back(room)
+                    give_back(room)
+                    room = None
                 # Kept, the room counts once reserved (another job may have taken it since the probe: none then).
                 answer.append((0, room) if keep and room is None else (extra, room))
             except Exception as error:  # noqa: BLE001 - a probe that fails finds no room; the next check asks again
@@ -212,7 +212,7 @@ class Growth:
             return 0, None
         probed_for, extra, room = self._probe_answer()
         if probed_for != size:  # for another size: room for the wrong number of workers
-            _give_back(room)
+            give_back(room)
         return (extra, room) if probed_for == size else (0, None)
 
     def _probe_answer(self) -> tuple[int, int, Any]:
@@ -232,10 +232,3 @@ class Growth:
         if self.max_epochs is not None and 0 <= self.max_epochs <= checkpoint.epoch:
             return True
         return self.max_steps is not None and 0 <= self.max_steps <= checkpoint.global_step
-
-
-def _give_back(room: Any) -> None:
-    """Remove a placement group reserved for a grow that no group took (None: nothing); a cluster gone is fine."""
-    if room is not None:
-        with contextlib.suppress(Exception):
-            remove_placement_group(room)

@@ -61,25 +61,29 @@ class Placement:
         if not self.groups:
             self.groups = [self.pg] * len(self.bundles)
 
-    def _read(self, pg: Any) -> tuple[dict[int, str], bool, set[str]] | None:
-        """Where Ray has each bundle of ``pg`` now, whether it is placed whole, and the alive nodes (None: a group
-        Ray no longer knows)."""
+    def _read(self, groups: list[Any]) -> tuple[dict[Any, tuple[dict[int, str], bool]], set[str]]:
+        """For each of ``groups`` (by id) where Ray has its bundles now and whether it is placed whole (a group Ray no
+        longer knows is left out), and the alive nodes: one read of the node list for them all."""
         try:
-            table = placement_group_table(pg)
             alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        except Exception:  # noqa: BLE001 - a group Ray no longer knows is not placed
-            return None
-        return table.get("bundles_to_node_id") or {}, table.get("state") == "CREATED", alive
+        except Exception:  # noqa: BLE001 - a cluster that cannot answer has nothing placed
+            return {}, set()
+        tables = {}
+        for pg in groups:
+            with contextlib.suppress(Exception):  # a group Ray no longer knows is not placed
+                table = placement_group_table(pg)
+                tables[pg.id] = (table.get("bundles_to_node_id") or {}, table.get("state") == "CREATED")
+        return tables, alive
 
     def nodes_now(self) -> list[str | None]:
         """Each worker's bundle's node now: None where the node is not alive, or the bundle moved and the group is not
         placed yet (a lost node's bundles are placed again by Ray, elsewhere, where there is room)."""
-        reads = {pg.id: self._read(pg) for pg in {g.id: g for g in self.groups}.values()}
+        tables, alive = self._read(list({g.id: g for g in self.groups}.values()))
         now: list[str | None] = []
         for pg, bundle, was in zip(self.groups, self.bundles, self.nodes):
-            read = reads[pg.id]
-            node = None if read is None else read[0].get(bundle)
-            now.append(node if read is not None and node in read[2] and (read[1] or node == was) else None)
+            where, placed = tables.get(pg.id, ({}, False))
+            node = where.get(bundle)
+            now.append(node if node in alive and (placed or node == was) else None)
         return now
 
     def keep(self, workers: list[int], nodes: list[str]) -> None:
@@ -95,12 +99,12 @@ class Placement:
         if not self.owned:
             return []
         used = {(g.id, b) for g, b in zip(self.groups, self.bundles)}
+        owned = [self.pg, *self.extensions]
+        tables, alive = self._read(owned)
         unused = []
-        for pg in [self.pg, *self.extensions]:
-            read = self._read(pg)
-            if read is not None:
-                where, _, alive = read
-                unused += [(pg, b, where[b]) for b in sorted(where) if (pg.id, b) not in used and where[b] in alive]
+        for pg in owned:
+            where, _ = tables.get(pg.id, ({}, False))
+            unused += [(pg, b, where[b]) for b in sorted(where) if (pg.id, b) not in used and where[b] in alive]
         return unused
 
     def add(self, pg: Any, bundle: int, node: str) -> None:
@@ -118,16 +122,21 @@ class Placement:
         used = {pg.id for pg in self.groups}
         for pg in [pg for pg in self.extensions if pg.id not in used]:
             self.extensions.remove(pg)
-            with contextlib.suppress(Exception):
-                remove_placement_group(pg)
+            give_back(pg)
 
     def release(self) -> None:
         """Give the reservations back, if they are this launch's own."""
         if self.owned:
             for pg in [self.pg, *self.extensions]:
-                with contextlib.suppress(Exception):
-                    remove_placement_group(pg)
+                give_back(pg)
             self.extensions = []
+
+
+def give_back(pg: Any | None) -> None:
+    """Remove placement group ``pg`` (None: nothing); one already gone, or a cluster gone, is fine."""
+    if pg is not None:
+        with contextlib.suppress(Exception):
+            remove_placement_group(pg)
 
 
 class OwnPlacement(Placement):

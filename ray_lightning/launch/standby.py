@@ -4,10 +4,10 @@
   that reserves nothing, started while the fit trains, whose imports (torch, Lightning: seconds) are done when a
   worker dies; :meth:`~.worker_group.WorkerGroup.salvage` puts it in the dead worker's place. Growth law: one idle
   process per node of the group (its memory: the imports, about 0.4 GB), no CPU or GPU reserved.
-* **Newcomers** (:class:`Newcomers`): an elastic fit whose ranks hold its state, running without a lost node's
-  bundles, starts a worker in each of those bundles as soon as Ray placed it again (the node back, or room
-  elsewhere), while it trains; the grow into them (:mod:`.elastic`) waits until they are up. Growth law: one process
-  per bundle placed again (at most ``max - min``), holding that bundle's reservation, which is the fit's anyway.
+* **Newcomers** (:class:`Newcomers`): an elastic fit below its most workers starts a worker in each of its own
+  bundles placed and unused (a lost node's, placed again; room reserved for a grow, :meth:`~.worker_group.WorkerGroup.
+  extend`), while it trains; the grow into them (:mod:`.elastic`) waits until they are up. Growth law: one process per
+  such bundle (at most ``max - min``), holding that bundle's reservation, which is the fit's anyway.
 """
 
 from __future__ import annotations

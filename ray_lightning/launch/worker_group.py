@@ -122,8 +122,7 @@ class WorkerGroup:
     def drop_spares(self) -> None:
         """Stop the spares."""
         for actor, _ in self.spares.values():
-            with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
+            kill(actor)
         self.spares = {}
 
     def salvage(
@@ -187,11 +186,9 @@ class WorkerGroup:
         if not keep or (len(keep) < len(now) and (min_workers is None or len(keep) < min_workers)):
             return None
         for i in set(range(len(now))) - set(keep):
-            with contextlib.suppress(Exception):
-                ray.kill(self.actors[i], no_restart=True)
+            kill(self.actors[i])
         for node in set(self.spares) - set(now):  # its node is gone, and the spare with it
-            with contextlib.suppress(Exception):
-                ray.kill(self.spares.pop(node)[0], no_restart=True)
+            kill(self.spares.pop(node)[0])
         self.actors = [self.actors[i] for i in keep]
         self.placement.keep(keep, [node for node in now if node is not None])
         self.ranks = assign_ranks(self.placement.nodes)
@@ -209,12 +206,11 @@ class WorkerGroup:
             if len(ray.wait(self._running, num_returns=len(self._running), timeout=0.1)[0]) == len(self._running):
                 return
 
-    def held_room(self, newcomers: bool = False) -> int:
+    def held_room(self) -> int:
         """The group's own bundles placed that no worker uses (:meth:`Placement.placed_unused`: a lost node's placed
-        again, room reserved beyond by :meth:`extend`); with ``newcomers``, a worker starts in each now, while the call
-        trains, and only those whose worker is up count."""
-        placed = self.placement.placed_unused()
-        return self.newcomers.up(placed, lambda slot: self._new_actor(-1, slot=slot)) if newcomers else len(placed)
+        again, room reserved beyond by :meth:`extend`) whose worker is up: one starts in each now, while the call
+        trains (:class:`~.standby.Newcomers`)."""
+        return self.newcomers.up(self.placement.placed_unused(), lambda slot: self._new_actor(-1, slot=slot))
 
     def extend(self, pg: Any) -> None:
         """Reserve ``pg`` (placed) for the group to grow into: a worker starts in each of its bundles at the next
@@ -254,13 +250,11 @@ class WorkerGroup:
 
     def _replace(self, i: int) -> None:
         """Stop actor ``i``; the spare on its node takes its place (another spare starts there), else a new actor."""
-        with contextlib.suppress(Exception):
-            ray.kill(self.actors[i], no_restart=True)
+        kill(self.actors[i])
         spare = self.spares.pop(self.placement.nodes[i], None)
         if spare is None or not spare_usable(spare):
             if spare is not None:
-                with contextlib.suppress(Exception):
-                    ray.kill(spare[0], no_restart=True)
+                kill(spare[0])
             self.actors[i] = self._new_actor(i)
             return
         self.actors[i] = spare[0]  # the node's next spare starts with the next attempt (keep_spares)
@@ -363,8 +357,7 @@ class WorkerGroup:
         self.drop_spares()
         self.newcomers.stop()
         for actor in self.actors:
-            with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
+            kill(actor)
         if self._channel is not None:
             self._channel.close()
             self._channel = None
