@@ -116,90 +116,105 @@ class _Checkpoint:
         self.epoch, self.global_step, self.reason = epoch, global_step, reason
 
 
-def test_no_growth_at_the_most_workers_nor_after_the_last_epoch_nor_between_checkpoints():
-    growth = Growth(ElasticSettings(2, 3, grow_check_interval_s=0), None, max_epochs=3, max_steps=-1)
-    assert growth.check(3, _Checkpoint(1, 4)) is None  # already at max: nothing asked of the cluster
-    assert growth.check(2, None) is None  # no checkpoint yet to grow from
-    assert growth.check(2, _Checkpoint(3, 12)) is None  # the last epoch's: nothing left to train
-    stepped = Growth(ElasticSettings(2, 3, grow_check_interval_s=0), None, max_epochs=-1, max_steps=10)
-    assert stepped.check(2, _Checkpoint(2, 10, "every 2 steps")) is None
-
-
-def test_a_lost_nodes_reservation_placed_again_is_room_to_grow_into(monkeypatch):
+def _probe_reserves(monkeypatch, free) -> list:
+    """The probe finds ``free(most)`` workers' room and reserves it as the group "pg<n>"; what is given back, listed."""
     import ray_lightning.launch.elastic as elastic
+    from ray_lightning.launch import placement as placement_module
 
+    monkeypatch.setattr(elastic, "free_room", lambda request, most: free(most))
+    monkeypatch.setattr(elastic, "placed_at_once", lambda request: f"pg{request.num_workers}")
+    removed: list = []
+    monkeypatch.setattr(placement_module, "remove_placement_group", removed.append)
+    return removed
+
+
+def test_no_growth_at_the_most_workers_nor_after_the_last_epoch_nor_between_checkpoints(monkeypatch):
     probed = []
-    monkeypatch.setattr(elastic, "free_room", lambda request, most: probed.append(most) or 0)
-    growth = Growth(ElasticSettings(2, 4, grow_check_interval_s=0), None, max_epochs=3, max_steps=-1)
-    error = growth.check(2, _Checkpoint(1, 4), spare=lambda: 1)
-    assert error is not None and error.size == 3, error
-    assert probed == [1], "the cluster is asked only for room beyond the group's own placed bundle"
+    _probe_reserves(monkeypatch, lambda most: probed.append(most) or most)
+    growth = Growth(ElasticSettings(2, 3, grow_check_interval_s=0), resolve_worker_resources(2), 3, -1)
+    no_room, nowhere = (lambda: 0), [].append
+    assert growth.check(3, _Checkpoint(1, 4), no_room, True, nowhere) is None  # at max: nothing asked of the cluster
+    assert growth.check(2, None, no_room, True, nowhere) is None  # no checkpoint yet to grow from
+    assert growth.check(2, _Checkpoint(3, 12), no_room, True, nowhere) is None  # the last epoch's: nothing to train
+    stepped = Growth(ElasticSettings(2, 3, grow_check_interval_s=0), resolve_worker_resources(2), -1, 10)
+    assert stepped.check(2, _Checkpoint(2, 10, "every 2 steps"), no_room, True, nowhere) is None
+    assert probed == [] and growth._probe is None and stepped._probe is None
 
 
 def test_growth_is_checked_at_a_steps_checkpoint_not_at_a_preemptions(monkeypatch):
+    """Sharded: the probe starts at a step's checkpoint, and the fit grows at the first checkpoint that arrives once
+    the new worker is up, mid-epoch, in its running processes."""
     import ray_lightning.launch.elastic as elastic
 
-    monkeypatch.setattr(elastic, "free_room", lambda request, most: most)  # the cluster holds what is asked
-    growth = Growth(ElasticSettings(2, 3, grow_check_interval_s=0), None, max_epochs=3, max_steps=-1)
-    assert growth.check(2, _Checkpoint(1, 6, "preemption: node draining")) is None  # that attempt stops anyway
-    assert growth.check(2, _Checkpoint(1, 6, "every 2 steps")) is None  # the probe of the cluster starts
+    monkeypatch.setattr(elastic, "HELD_POLL_S", 0.0)
+    _probe_reserves(monkeypatch, lambda most: most)  # the cluster holds what is asked
+    reserved: list = []
+    spare = lambda: len(reserved)  # noqa: E731 - the reserved group's worker is up at once
+    growth = Growth(ElasticSettings(2, 3, grow_check_interval_s=0), resolve_worker_resources(2), 3, -1)
+    preempted = _Checkpoint(1, 6, "preemption: node draining")
+    assert growth.check(2, preempted, spare, False, reserved.append) is None  # that attempt stops anyway
+    assert growth._probe is None
+    assert growth.check(2, _Checkpoint(1, 6, "every 2 steps"), spare, False, reserved.append) is None  # probe starts
     growth.wait_for_probe(10)
-    error = growth.check(2, _Checkpoint(1, 7, "every 2 steps"))  # mid-epoch: the fit grows there
-    assert error is not None and error.size == 3 and "epoch 1, step 7, on 3" in str(error), error
+    error = growth.check(2, _Checkpoint(1, 7, "every 2 steps"), spare, False, reserved.append)  # mid-epoch: grows
+    assert reserved == ["pg1"]
+    assert error is not None and error.size == 3 and error.into_held, error
+    assert "epoch 1, step 7, in the running workers with new ones beside them, on 3" in str(error), error
 
 
 def test_the_drivers_loop_goes_on_while_the_cluster_is_probed_for_room(monkeypatch):
     """A probe that waits for Ray (seconds when there is no room) runs beside the loop that runs rank 0's calls;
-    its answer ends the attempt at a later message, from the newest checkpoint."""
+    its answer is taken at a later message, only for the size it was asked for."""
     import threading
 
     import ray_lightning.launch.elastic as elastic
 
+    monkeypatch.setattr(elastic, "HELD_POLL_S", 0.0)
     answer = threading.Event()
     probed = []
 
-    def free_room(request, most):
+    def free(most):
         probed.append(most)
         assert answer.wait(30), "the test never let the probe answer"
         return 1
 
-    monkeypatch.setattr(elastic, "free_room", free_room)
-    growth = Growth(ElasticSettings(2, 4, grow_check_interval_s=0), None, max_epochs=5, max_steps=-1)
-    assert growth.check(2, _Checkpoint(1, 4)) is None  # returned while the probe still waits for its answer
-    assert growth.check(2, _Checkpoint(1, 5)) is None and probed == [2], "one probe at a time"
+    removed = _probe_reserves(monkeypatch, free)
+    reserved: list = []
+    spare = lambda: len(reserved)  # noqa: E731
+    growth = Growth(ElasticSettings(2, 4, grow_check_interval_s=0), resolve_worker_resources(2), 5, -1)
+    assert growth.check(2, _Checkpoint(1, 4), spare, True, reserved.append) is None  # returned; the probe waits
+    assert growth.check(2, _Checkpoint(1, 5), spare, True, reserved.append) is None and probed == [2], "one probe"
     answer.set()
     growth.wait_for_probe(10)
-    assert growth.check(3, _Checkpoint(1, 6)) is None, "an answer for another size is not taken"
+    assert growth.check(3, _Checkpoint(1, 6), spare, True, reserved.append) is None, "not an answer for another size"
+    assert removed == ["pg1"], "room for the wrong number of workers is given back"
     growth.wait_for_probe(10)  # the one that check started, for 3
-    assert growth.check(2, _Checkpoint(1, 7)) is None, "nor that one's for 2"
+    assert growth.check(2, _Checkpoint(1, 7), spare, True, reserved.append) is None, "nor that one's for 2"
     growth.wait_for_probe(10)
-    assert probed == [2, 1, 2]
-    error = growth.check(2, _Checkpoint(2, 8))
-    assert error is not None and error.size == 3 and "epoch 2, step 8, on 3" in str(error), error
+    assert probed == [2, 1, 2] and reserved == []
+    error = growth.check(2, _Checkpoint(2, 8), spare, True, reserved.append)
+    assert reserved == ["pg1"]
+    assert error is not None and error.size == 3 and error.into_held and "next step" in str(error), error
     growth.close()
 
 
 def test_a_fit_held_in_memory_grows_into_its_own_bundles_once_their_workers_are_up(monkeypatch):
-    """DDP's ranks hold the state: the grow into the fit's own bundles placed again waits for the workers started
-    there (counted by ``spare``), not for a new checkpoint nor for ``grow_check_interval_s``, and keeps the running
-    processes (``into_held``)."""
+    """DDP's ranks hold the state: the grow into the fit's own bundles placed again (a lost node's, placed by Ray
+    again) waits for the workers started there (counted by ``spare``), not for a new checkpoint nor for
+    ``grow_check_interval_s``, and keeps the running processes (``into_held``); a sharded fit's, from the checkpoint."""
     import ray_lightning.launch.elastic as elastic
 
     monkeypatch.setattr(elastic, "HELD_POLL_S", 0.0)
-    monkeypatch.setattr(elastic, "free_room", lambda request, most: 0)
+    _probe_reserves(monkeypatch, lambda most: 0)
     up = [0]
-    growth = Growth(ElasticSettings(2, 3, grow_check_interval_s=3600), None, max_epochs=3, max_steps=-1)
+    growth = Growth(ElasticSettings(2, 3, grow_check_interval_s=3600), resolve_worker_resources(2), 3, -1)
     checkpoint = _Checkpoint(1, 4)
-    assert growth.check(2, checkpoint, lambda: up[0], in_memory=True) is None  # its worker is still starting
+    assert growth.check(2, checkpoint, lambda: up[0], True, [].append) is None  # its worker is still starting
     up[0] = 1
-    error = growth.check(2, checkpoint, lambda: up[0], in_memory=True)
+    error = growth.check(2, checkpoint, lambda: up[0], True, [].append)
     assert error is not None and error.size == 3 and error.into_held and "next step" in str(error), error
-    sharded = Growth(ElasticSettings(2, 3, grow_check_interval_s=0), None, max_epochs=3, max_steps=-1)
-    error = sharded.check(2, checkpoint, lambda: 1, in_memory=False)  # from the checkpoint, in new processes
-    assert error is not None and not error.into_held and "step 4, on 3" in str(error), error
-    # As the launcher asks (``reserve`` given): from the checkpoint too, but in the running processes.
-    sharded = Growth(ElasticSettings(2, 3, grow_check_interval_s=3600), None, max_epochs=3, max_steps=-1)
-    error = sharded.check(2, checkpoint, lambda: 1, in_memory=False, reserve=[].append)
+    sharded = Growth(ElasticSettings(2, 3, grow_check_interval_s=3600), resolve_worker_resources(2), 3, -1)
+    error = sharded.check(2, checkpoint, lambda: 1, False, [].append)
     assert error is not None and error.into_held and "step 4, in the running workers" in str(error), error
     growth.close()
 

@@ -117,7 +117,7 @@ def staging_area(nodes: Mapping[int, NodeInfo], settings: CallSettings) -> files
 
 
 def stop_check(
-    call: DriverCall, size: int, held: Callable[[], int], reserve: Callable[[Any], None] | None = None
+    call: DriverCall, size: int, held: Callable[[], int], reserve: Callable[[Any], None]
 ) -> Callable[[], RayWorkerError | None]:
     """What ends an attempt early, checked after each message of the workers: a preemption rank 0 checkpointed
     for, or (elastic) room for more workers once a recovery checkpoint arrived. ``held()``: the group's own bundles

@@ -2,28 +2,25 @@
 
 A fit starts on as many workers as the cluster places at once (:func:`~.probes.reserve_elastic`, called by
 the launcher's ``_acquire_group``); after a lost node its restart does the same, so it goes on with fewer
-instead of waiting for a replacement. :class:`Growth` is the other way: whenever a recovery checkpoint of rank 0
-has arrived (an epoch's end, or every ``recovery_checkpoint_every_n_steps`` steps) and the last check is
-``grow_check_interval_s`` old, it asks whether more workers fit now: first the fit's own bundles that Ray placed again
-after a lost node (read at once), else the cluster's free room (:func:`~.probes.free_room`, placement groups that
-take up to seconds to say no). That probe runs in a thread of its own: the driver's loop goes on running rank 0's
-calls meanwhile (a synchronous 2 s probe at every checkpoint once left the driver minutes behind the workers, and
-decided on a checkpoint 700 steps old). Not after the last checkpoint of the fit: nothing would be left to train.
-A grow ends the attempt with :class:`~ray_lightning.errors.WorkersGrowError` (:mod:`.failures` restarts it without
-counting it against ``max_failures``); a fit that goes on from a step's checkpoint deals the rest of that epoch's data
-order over the new workers (:mod:`ray_lightning.data`, and a plain ``DataLoader``'s sampler), as after a lost node.
+instead of waiting for a replacement. :class:`Growth` is the other way, and never restarts a process. Room comes
+from two places: the fit's own bundles that Ray placed again after a lost node, and the cluster's free room, which a
+probe (:func:`~.probes.free_room`, placement groups that take up to seconds to say no) looks for whenever a recovery
+checkpoint of rank 0 has arrived and the last probe is ``grow_check_interval_s`` old, and reserves as a placement
+group of the fit's own (:meth:`~.worker_group.WorkerGroup.extend`; while it waits to be grown into, no other probe
+runs). The probe runs in a thread: the driver's loop goes on running rank 0's calls meanwhile (a synchronous 2 s
+probe at every checkpoint once left the driver minutes behind the workers). Not after the last checkpoint of the fit:
+nothing would be left to train.
 
-A fit grows without restarting a process (DDP and Horovod, whose ranks each hold the state, without a checkpoint
-either; sharded ones from the newest checkpoint), into its own bundles placed again and into room the probe finds
-beyond them, which the probe then reserves as a
-placement group of its own that the worker group adds to its reservation (:meth:`~.worker_group.WorkerGroup.extend`;
-while it waits to be grown into, no other probe runs). It asks about those bundles every :data:`HELD_POLL_S` (the
-driver asks at least every second, :data:`~.poll.STOP_CHECK_S`, also while no worker sends anything), a worker starts
-in each as soon as it is placed (:mod:`.standby`), and once those are up the attempt ends with ``into_held``: the
-launcher cancels the running call, every rank leaves it at its next batch with its state
-(:mod:`ray_lightning.home.snapshot`), and the group goes on from that memory with the new workers beside
-(:meth:`~.worker_group.WorkerGroup.salvage`). Growth law: while below ``max``, one read of Ray's placement-group table
-and node list per second on the driver, and per grow one placement group of the workers added; nothing per byte.
+A worker starts in each such bundle as soon as it is placed (:mod:`.standby`); the driver counts those up every
+:data:`HELD_POLL_S` (it asks at least every second, :data:`~.poll.STOP_CHECK_S`, also while no worker sends
+anything). Once they are up the attempt ends with :class:`~ray_lightning.errors.WorkersGrowError` (``into_held``;
+:mod:`.failures` does not count it against ``max_failures``): the launcher cancels the running call, every rank leaves
+it at its next batch (:mod:`ray_lightning.home.snapshot`), and the group goes on in the same processes with the new
+workers beside (:meth:`~.worker_group.WorkerGroup.salvage`): from memory where every rank holds the state (DDP,
+Horovod), else (sharded) from the first recovery checkpoint that arrived once the new workers were up. A fit that goes
+on from a step's checkpoint deals the rest of that epoch's data order over the new workers (:mod:`ray_lightning.data`,
+and a plain ``DataLoader``'s sampler). Growth law: while below ``max``, one read of Ray's placement-group table and
+node list per second on the driver, and per grow one placement group of the workers added; nothing per byte.
 
 On a cluster with an autoscaler, a fit running below ``max`` asks it for room for ``max`` workers
 (``ray.autoscaler.sdk.request_resources``: a lost spot node is replaced even though nothing is pending), and
@@ -72,8 +69,8 @@ class Growth:
         self._asked = False  # whether this call asked the autoscaler for room
         self._no_autoscaler = False
         # The probe of the cluster's free room running in its thread: (thread, the size it is for, its answer: the
-        # workers that fit, and the placement group reserved for them when the probe was asked to keep it).
-        self._probe: tuple[threading.Thread, int, list[tuple[int, Any]]] | None = None
+        # placement group it reserved for the workers that fit, or None).
+        self._probe: tuple[threading.Thread, int, list[Any]] | None = None
         self._reserved = False  # room reserved (``reserve``) that the fit has not grown into yet: no probe meanwhile
         self._closed = threading.Event()
         self._newest: tuple[Any, float] = (None, float("-inf"))  # the newest checkpoint and when it arrived
@@ -103,7 +100,7 @@ class Growth:
         take back the autoscaler request, if this call made one."""
         self._closed.set()  # a probe still running gives back what it reserves
         self.wait_for_probe(PROBE_S * (math.ceil(math.log2(max(self.settings.max_workers, 2))) + 2))
-        give_back(self._probe_answer()[2])  # found after the call ended: nothing holds it
+        give_back(self._probe_answer()[1])  # found after the call ended: nothing holds it
         if self._asked:
             from ray.autoscaler.sdk import request_resources
 
@@ -115,22 +112,22 @@ class Growth:
         self,
         size: int,
         checkpoint: Any,
-        spare: Callable[[], int] = lambda: 0,
-        in_memory: bool = False,
-        reserve: Callable[[Any], None] | None = None,
+        spare: Callable[[], int],
+        in_memory: bool,
+        reserve: Callable[[Any], None],
     ) -> WorkersGrowError | None:
         """After a message from the workers: the error that ends the attempt to grow from ``size`` workers, or None.
 
         ``checkpoint``: the newest recovery checkpoint (with ``epoch``, ``global_step`` and ``reason``), or None.
-        ``spare``: bundles the running group holds placed but unused (after a lost node, placed again by Ray),
-        room that a probe for a new placement group cannot see. Returns at once: a probe of the cluster's free
-        room answers at a later message. ``reserve(pg)``: given, room the probe finds beyond those bundles is reserved
-        there (a placement group, placed) and becomes ``spare`` bundles, and every grow keeps the running processes
-        (:attr:`WorkersGrowError.into_held`): ``spare`` then counts a bundle once the worker started in it meanwhile
-        is up (:mod:`.standby`), at any batch. ``in_memory``: every rank holds the fit's state (DDP, Horovod): such a
-        grow goes on from it (also without ``reserve``); else from the newest checkpoint, in the same processes.
+        ``spare()``: the group's bundles placed but unused (its own, placed again after a lost node, and room reserved
+        here) whose worker started there meanwhile is up (:mod:`.standby`). ``reserve(pg)``: room the probe of the
+        cluster found and reserved (a placement group, placed) is handed to the group, whose workers then start there.
+        Returns at once: the probe answers at a later message. Every grow keeps the running processes
+        (:attr:`WorkersGrowError.into_held`); ``in_memory``: every rank holds the fit's state (DDP, Horovod), so
+        it grows at the next batch, from memory; else (sharded) from the first checkpoint that arrives once the new
+        workers are up.
         """
-        most, (extra, room), now = self.settings.max_workers - size, self._probed(size), time.monotonic()
+        most, room, now = self.settings.max_workers - size, self._probed(size), time.monotonic()
         # No grow at the most workers, before a checkpoint, for a preemption's (the attempt stops for the notice; the
         # restart places what the cluster holds), nor after the last: a room found meanwhile is given back.
         if (
@@ -143,84 +140,77 @@ class Growth:
             return None
         if checkpoint is not self._newest[0]:
             self._newest = (checkpoint, now)
-        if room is not None and reserve is not None:
+        if room is not None:
             reserve(room)  # its workers start at the poll below, beside the running ones
-            extra, self._held_at, self._reserved = 0, float("-inf"), True
-        in_place = in_memory or reserve is not None
-        if in_place and now - self._held_at >= HELD_POLL_S:
+            self._held_at, self._reserved = float("-inf"), True
+        if now - self._held_at >= HELD_POLL_S:
             self._held_at, self._up = now, min(spare(), most)  # a worker starts in each bundle, counted once up
             if self._up and self._up_since == float("inf"):
                 log.info("ray_lightning: %d new worker(s) up beside the %d running; the fit grows to %d at the next %s",
                          self._up, size, size + self._up, "batch" if in_memory else "recovery checkpoint")  # fmt: skip
             self._up_since = min(self._up_since, now) if self._up else float("inf")
-            if self._up and in_memory:  # at the next batch, from memory
-                up, _ = self._up, self.attempt_started()
-                return self._error(size, up, checkpoint, in_place=True, in_memory=True)
-        if in_place and self._up and self._newest[1] >= self._up_since:
-            # Sharded: from the first checkpoint that arrived once they were up (the fit trains on meanwhile), so
-            # that little is trained again, in these processes.
+        # In memory, at the next batch; sharded, from the first checkpoint that arrived once they were up (the fit
+        # trains on meanwhile), so that little is trained again.
+        if self._up and (in_memory or self._newest[1] >= self._up_since):
             up, _ = self._up, self.attempt_started()
-            return self._error(size, up, checkpoint, in_place=True, in_memory=in_memory)
+            return self._error(size, up, checkpoint, in_memory)
         due = now - self._checked_at >= self.settings.grow_check_interval_s
-        if not extra and checkpoint is not self._seen and self._probe is None and due and not self._reserved:
+        if checkpoint is not self._seen and self._probe is None and due and not self._reserved:
             self._seen, self._checked_at = checkpoint, now
-            held = 0 if in_memory or reserve is not None else min(spare(), most)
-            if held:  # room now: the rest is asked for here, as the restart follows anyway
-                extra = held + free_room(self.request, most - held)
-            else:
-                self._start_probe(size, most, keep=reserve is not None)
-        return self._error(size, extra, checkpoint, in_place=False, in_memory=in_memory) if extra else None
+            self._start_probe(size, most)
+        return None
 
-    def _error(self, size: int, extra: int, checkpoint: Any, in_place: bool, in_memory: bool) -> WorkersGrowError:
-        if in_place and in_memory:
+    def _error(self, size: int, extra: int, checkpoint: Any, in_memory: bool) -> WorkersGrowError:
+        if in_memory:
             where = "the running workers' next step, with new ones beside them"
         else:
             where = f"the recovery checkpoint at epoch {checkpoint.epoch}, step {checkpoint.global_step}"
-            where += ", in the running workers with new ones beside them" if in_place else ""
+            where += ", in the running workers with new ones beside them"
         return WorkersGrowError(
             f"ray_lightning: the cluster can hold {size + extra} workers now (num_workers=({self.settings.min_workers},"
             f" {self.settings.max_workers}), {size} running); the fit goes on from {where}, on {size + extra}.",
             size + extra,
-            in_place,
+            into_held=True,
         )
 
-    def _start_probe(self, size: int, most: int, keep: bool = False) -> None:
-        """Ask for the cluster's free room in a thread; ``keep``: reserve what it found (a placement group)."""
-        answer: list[tuple[int, Any]] = []
+    def _start_probe(self, size: int, most: int) -> None:
+        """Ask for the cluster's free room in a thread, and reserve what it found (a placement group)."""
+        answer: list[Any] = []
 
         def probe() -> None:
+            room = None
             try:
                 extra = free_room(self.request, most)
-                room = placed_at_once(self.request.with_workers(extra)) if keep and extra else None
-                if self._closed.is_set():  # the call ended meanwhile
-                    give_back(room)
-                    room = None
-                # Kept, the room counts once reserved (another job may have taken it since the probe: none then).
-                answer.append((0, room) if keep and room is None else (extra, room))
+                # Another job may take the room between the probe and the reservation: then there is none.
+                room = placed_at_once(self.request.with_workers(extra)) if extra else None
             except Exception as error:  # noqa: BLE001 - a probe that fails finds no room; the next check asks again
                 log.warning("ray_lightning: asking the cluster for room to grow failed: %r", error)
-                answer.append((0, None))
+            if self._closed.is_set():  # the call ended meanwhile
+                give_back(room)
+                room = None
+            answer.append(room)
 
         thread = threading.Thread(target=probe, name="ray_lightning-grow-probe", daemon=True)
         self._probe = (thread, size, answer)
         thread.start()
 
-    def _probed(self, size: int) -> tuple[int, Any]:
-        """The answer of a probe that has finished (taken once), for a group of ``size`` workers: the workers that fit
-        and the placement group reserved for them (or None); else (0, None)."""
+    def _probed(self, size: int) -> Any:
+        """The room (a placement group, placed) reserved by a probe that has finished (taken once) for a group of
+        ``size`` workers, or None."""
         if self._probe is None or self._probe[0].is_alive():
-            return 0, None
-        probed_for, extra, room = self._probe_answer()
+            return None
+        probed_for, room = self._probe_answer()
         if probed_for != size:  # for another size: room for the wrong number of workers
             give_back(room)
-        return (extra, room) if probed_for == size else (0, None)
+            return None
+        return room
 
-    def _probe_answer(self) -> tuple[int, int, Any]:
-        """(the size it was for, extra workers, reserved group or None) of the finished probe, taken."""
+    def _probe_answer(self) -> tuple[int, Any]:
+        """(the size it was for, the room it reserved or None) of the finished probe, taken."""
         probe, self._probe = self._probe, None
         if probe is None or probe[0].is_alive() or not probe[2]:
-            return 0, 0, None
-        return probe[1], *probe[2][0]
+            return 0, None
+        return probe[1], probe[2][0]
 
     def wait_for_probe(self, timeout_s: float) -> None:
         """Until a running probe of the cluster's free room has answered (at most ``timeout_s``)."""
