@@ -89,13 +89,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# How long the driver waits for the workers' output to arrive after a call (Ray forwards it every
-# 0.1 s; more only on a machine too busy to forward it), and after a worker raised.
-_OUTPUT_WAIT_S = 10.0
-_FAILED_OUTPUT_WAIT_S = 3.0
-# After a worker died, how long a restart waits for the others to come out of the broken call (and
-# answer that they can run the next one) before it replaces them too.
-SALVAGE_WAIT_S = 5.0
+# How long the driver waits for the workers' output to arrive after a call (Ray forwards it every 0.1 s; more only on a
+# machine too busy to forward it), and after a worker raised.
+_OUTPUT_WAIT_S, _FAILED_OUTPUT_WAIT_S = 10.0, 3.0
+# After a worker died, how long a restart waits for the others to come out of the broken call (and answer that they
+# can run the next one) before it replaces them too; at a grow (no peer died) longer, as it ends once all are out.
+SALVAGE_WAIT_S, GROW_WAIT_S = 5.0, 30.0
 # After a lost node, how long a fixed-size fit's survivors wait for Ray to place its bundles again elsewhere before the
 # restart starts a new group instead (which waits for the cluster with placement_timeout_s, and starts every process).
 PLACED_AGAIN_WAIT_S = 30.0
@@ -226,8 +225,9 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
         failure = attempt.failure
         assert failure is not None
         grow = failure.error.size if decision.keep_processes and isinstance(failure.error, WorkersGrowError) else 0
+        wait_s = GROW_WAIT_S if grow else SALVAGE_WAIT_S
         if grow:  # into the fit's own bundles (launch.elastic): every rank leaves the call at its next batch
-            attempt.group.interrupt(SALVAGE_WAIT_S)
+            attempt.group.interrupt(wait_s)
         if not decision.keep_processes and failure.kind not in ENDS_ITSELF:
             attempt.group.shutdown()  # the workers are well (a drain, a hang): stopped, or they would train on
         # Rank 0's files since its last recovery checkpoint, on a node that is gone, are lost: the restart goes back to
@@ -243,7 +243,7 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
             try:
                 elastic = self._strategy.workers.elastic if call.growth is not None else None
                 placed_wait_s = min(self._strategy.workers.timeouts.placement_s, PLACED_AGAIN_WAIT_S)
-                group = attempt.group.salvage(SALVAGE_WAIT_S, elastic and elastic.min_workers, placed_wait_s, grow)
+                group = attempt.group.salvage(wait_s, elastic and elastic.min_workers, placed_wait_s, grow)
             except BaseException:
                 attempt.group.shutdown()
                 raise
