@@ -410,19 +410,24 @@ class WaitsForRoom(LogsBatch):
         return super().training_step(batch, batch_idx)
 
 
-def test_a_sharded_fit_grows_from_two_to_three_workers_in_its_processes(
-    ray_local, no_waiting_workers, tmp_path, caplog
+@pytest.mark.parametrize(
+    ("strategy_class", "source"),
+    [("RayFSDPStrategy", "checkpoint"), pytest.param("HorovodRayStrategy", "memory", marks=needs_horovod)],
+)
+def test_an_elastic_fit_grows_from_two_to_three_workers_in_its_processes(
+    ray_local, no_waiting_workers, tmp_path, caplog, strategy_class, source
 ):
     """Room for a third worker (another job's reservation ends) during epoch 0: the driver reserves it and starts a
-    worker there while the fit trains on; at the first epoch end after that worker is up, the fit goes on on three
-    from the checkpoint the two ranks wrote there (a shard each), in their running processes."""
+    worker there while the fit trains on. Sharded (FSDP2): at the first epoch end after that worker is up, the fit
+    goes on on three from the checkpoint the two ranks wrote there (a shard each); Horovod: at the next batch, from
+    the ranks' memory. Both in their running processes."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from ray_lightning import RayFSDPStrategy
+    import ray_lightning
 
     other_job = placement_group([{"custom_accel": 2}])  # of the session's 4: room for two one-accel workers
     assert other_job.wait(60)
-    strategy = RayFSDPStrategy(
+    strategy = getattr(ray_lightning, strategy_class)(
         num_workers=(2, 3), resources_per_worker={"CPU": 1, "custom_accel": 1}, grow_check_interval_s=0
     )
     trainer = pl.Trainer(max_epochs=4, strategy=strategy, enable_progress_bar=False, logger=False)
@@ -443,11 +448,15 @@ def test_a_sharded_fit_grows_from_two_to_three_workers_in_its_processes(
     fit.join(timeout=300)
     assert not fit.is_alive() and not errors, errors
     (grow,) = trainer.strategy.restarts
-    # Decided at epoch 1's end, the first checkpoint after the third worker was up; it goes on from the newest when
-    # the ranks left the call (epoch 2's end, when its two short steps ran before the cancel reached a batch).
-    assert (grow.reason, grow.world_size, grow.source) == ("grow", 3, "checkpoint"), grow
-    assert grow.epoch in (2, 3) and grow.global_step == 2 * grow.epoch, grow
-    assert "at the next recovery checkpoint" in caplog.text
+    assert (grow.reason, grow.world_size, grow.source) == ("grow", 3, source), grow
+    if source == "checkpoint":
+        # Decided at epoch 1's end, the first checkpoint after the third worker was up; it goes on from the newest
+        # when the ranks left the call (epoch 2's end, when its two short steps ran before the cancel reached a batch).
+        assert grow.epoch in (2, 3) and grow.global_step == 2 * grow.epoch, grow
+        assert "at the next recovery checkpoint" in caplog.text
+    else:  # at a batch of epoch 1, where rank 0 waited for the third worker, or soon after; no step trained twice
+        assert grow.epoch >= 1 and grow.steps_lost == 0, grow
+        assert "at the next batch" in caplog.text
     assert trainer.world_size == 3 and trainer.global_step == 8, "2 steps of 24 samples an epoch on 2 and on 3"
     assert trainer.callback_metrics["batch"].item() == 8 and not torch.equal(model.layer.weight, before)
     pids = [line.split() for line in (tmp_path / "pids").read_text().splitlines()]
