@@ -89,12 +89,18 @@ def test_a_measurement_that_fails_without_a_crash_is_not_measured_again(tmp_path
     assert failure_lines({"errors": [error], "measurements": []})[1].startswith("Failed measurements")
 
 
-def test_a_rank_killed_under_torch_spawn_counts_as_a_crash(tmp_path):
-    # ddp_spawn's driver exits with 1 when one of its ranks died of a signal; torch's spawn names the signal.
-    (tmp_path / "crashing_driver.py").write_text(
-        "raise SystemExit('torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with signal "
-        "SIGABRT')\n"
-    )
+@pytest.mark.parametrize(
+    "last_words",
+    [
+        # ddp_spawn's driver exits with 1 when one of its ranks died of a signal; torch's spawn names the signal.
+        "torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with signal SIGABRT",
+        # Another process took the port Lightning picked for the rendezvous before torch's store bound it.
+        "torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address. "
+        "port: 52241, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use",
+    ],
+)
+def test_a_rank_killed_under_torch_spawn_or_a_port_taken_counts_as_a_crash(tmp_path, last_words):
+    (tmp_path / "crashing_driver.py").write_text(f"raise SystemExit({last_words!r})\n")
     (tmp_path / "logs").mkdir()
     env = {"PYTHONPATH": str(tmp_path)}
     with pytest.raises(MeasurementCrashed, match="exited with 1"):
