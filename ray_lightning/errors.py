@@ -80,20 +80,18 @@ class WorkerPreemptedError(RayWorkerError):
 class WorkersGrowError(RayWorkerError):
     """Not a failure: an elastic fit (``num_workers=(min, max)``) ends an attempt to restart on more workers.
 
-    Raised on the driver once rank 0's recovery checkpoint arrived and the cluster can hold ``size`` workers;
-    the fit goes on from that checkpoint on them (``trainer.strategy.restarts`` records it, ``max_failures``
-    does not count it). Never reaches the user. ``into_held``: the room is the fit's own bundles, placed again
-    after a lost node, and the workers hold their state in memory: the running processes stop their call at a step
-    and go on from there, newcomers beside them.
+    Raised on the driver once workers started in room the fit holds (its own bundles placed again, or room reserved
+    for it) are up: the cluster can hold ``size`` workers. The running processes leave their call at a batch and go
+    on, the new workers beside them, from memory or from the newest checkpoint (:mod:`ray_lightning.launch.elastic`;
+    ``trainer.strategy.restarts`` records it, ``max_failures`` does not count it). Never reaches the user.
     """
 
-    def __init__(self, message: str, size: int, into_held: bool = False) -> None:
+    def __init__(self, message: str, size: int) -> None:
         super().__init__(message, rank=0)
         self.size = size
-        self.into_held = into_held
 
     def __reduce__(self) -> tuple:
-        return (type(self), (str(self), self.size, self.into_held), {"failures": self.failures})
+        return (type(self), (str(self), self.size), {"failures": self.failures})
 
 
 class StorageError(OSError):

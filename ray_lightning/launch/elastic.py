@@ -12,15 +12,15 @@ probe at every checkpoint once left the driver minutes behind the workers). Not 
 nothing would be left to train.
 
 A worker starts in each such bundle as soon as it is placed (:mod:`.standby`); the driver counts those up every
-:data:`HELD_POLL_S` (it asks at least every second, :data:`~.poll.STOP_CHECK_S`, also while no worker sends
-anything). Once they are up the attempt ends with :class:`~ray_lightning.errors.WorkersGrowError` (``into_held``;
-:mod:`.failures` does not count it against ``max_failures``): the launcher cancels the running call, every rank leaves
-it at its next batch (:mod:`ray_lightning.home.snapshot`), and the group goes on in the same processes with the new
-workers beside (:meth:`~.worker_group.WorkerGroup.salvage`): from memory where every rank holds the state (DDP,
-Horovod), else (sharded) from the first recovery checkpoint that arrived once the new workers were up. A fit that goes
-on from a step's checkpoint deals the rest of that epoch's data order over the new workers (:mod:`ray_lightning.data`,
-and a plain ``DataLoader``'s sampler). Growth law: while below ``max``, one read of Ray's placement-group table and
-node list per second on the driver, and per grow one placement group of the workers added; nothing per byte.
+:data:`HELD_POLL_S` (it asks at least every second, :data:`~.poll.STOP_CHECK_S`, also while no worker sends anything).
+Once they are up the attempt ends with :class:`~ray_lightning.errors.WorkersGrowError` (:mod:`.failures` keeps the
+processes and does not count it against ``max_failures``): the launcher cancels the running call, every rank leaves it
+at its next batch (:mod:`ray_lightning.home.snapshot`), and the group goes on in the same processes with the new workers
+beside (:meth:`~.worker_group.WorkerGroup.salvage`): from memory where every rank holds the state (DDP, Horovod), else
+(sharded) from the first recovery checkpoint that arrived once the new workers were up. A fit that goes on from a step's
+checkpoint deals the rest of that epoch's data order over the new workers (:mod:`ray_lightning.data`, and a plain
+``DataLoader``'s sampler). Growth law: while below ``max``, one read of Ray's placement-group table and node list per
+second on the driver, and per grow one placement group of the workers added; nothing per byte.
 
 On a cluster with an autoscaler, a fit running below ``max`` asks it for room for ``max`` workers
 (``ray.autoscaler.sdk.request_resources``: a lost spot node is replaced even though nothing is pending), and
@@ -122,8 +122,8 @@ class Growth:
         ``spare()``: the group's bundles placed but unused (its own, placed again after a lost node, and room reserved
         here) whose worker started there meanwhile is up (:mod:`.standby`). ``reserve(pg)``: room the probe of the
         cluster found and reserved (a placement group, placed) is handed to the group, whose workers then start there.
-        Returns at once: the probe answers at a later message. Every grow keeps the running processes
-        (:attr:`WorkersGrowError.into_held`); ``in_memory``: every rank holds the fit's state (DDP, Horovod), so
+        Returns at once: the probe answers at a later message. Every grow keeps the running processes;
+        ``in_memory``: every rank holds the fit's state (DDP, Horovod), so
         it grows at the next batch, from memory; else (sharded) from the first checkpoint that arrives once the new
         workers are up.
         """
@@ -152,8 +152,9 @@ class Growth:
         # In memory, at the next batch; sharded, from the first checkpoint that arrived once they were up (the fit
         # trains on meanwhile), so that little is trained again.
         if self._up and (in_memory or self._newest[1] >= self._up_since):
-            up, _ = self._up, self.attempt_started()
-            return self._error(size, up, checkpoint, in_memory)
+            error = self._error(size, self._up, checkpoint, in_memory)
+            self.attempt_started()  # the next attempt counts its own newcomers
+            return error
         due = now - self._checked_at >= self.settings.grow_check_interval_s
         if checkpoint is not self._seen and self._probe is None and due and not self._reserved:
             self._seen, self._checked_at = checkpoint, now
@@ -170,7 +171,6 @@ class Growth:
             f"ray_lightning: the cluster can hold {size + extra} workers now (num_workers=({self.settings.min_workers},"
             f" {self.settings.max_workers}), {size} running); the fit goes on from {where}, on {size + extra}.",
             size + extra,
-            into_held=True,
         )
 
     def _start_probe(self, size: int, most: int) -> None:

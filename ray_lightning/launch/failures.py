@@ -142,8 +142,8 @@ def classify(
 
 def decide(failure: Failure, restarts_done: int, max_failures: int) -> Decision:
     """Restart or raise: see the module docstring. ``restarts_done`` counts failures only (not resizes)."""
-    if failure.kind in RESIZES:  # into the fit's own bundles: the running processes go on (launch.elastic)
-        return Decision(restart=True, keep_processes=getattr(failure.error, "into_held", False))
+    if failure.kind in RESIZES:  # into room the fit holds: the running processes go on (launch.elastic)
+        return Decision(restart=True, keep_processes=True)
     if failure.kind not in RESTARTABLE or restarts_done >= max_failures:
         return Decision(restart=False)
     return Decision(restart=True, keep_processes=failure.kind in (Kind.WORKER_DIED, Kind.NODE_LOST))
