@@ -99,9 +99,16 @@ def _ray_train_loop(config: dict) -> None:
     if checkpoint is None:
         trainer.fit(SlowSteps(config["log"], size=SIZE))
         return
+    if ray.train.get_context().get_world_rank() == 0:  # what the driver reports as the grow's source
+        open(_resumed(config["log"]), "a").close()
     with checkpoint.as_directory() as directory:
         path = os.path.join(directory, RayTrainReportCallback.CHECKPOINT_NAME)
         trainer.fit(SlowSteps(config["log"], size=SIZE), ckpt_path=path)
+
+
+def _resumed(log: str) -> str:
+    """The file rank 0 of a Ray Train attempt creates when it resumed from a reported checkpoint."""
+    return os.path.join(os.path.dirname(log), "resumed-from-checkpoint")
 
 
 def _ray_train(log: str) -> dict:
@@ -112,7 +119,7 @@ def _ray_train(log: str) -> dict:
     scaling = ScalingConfig(num_workers=(2, 3), resources_per_worker=SLOT, elastic_resize_monitor_interval_s=1)
     run = RunConfig(storage_path=os.path.dirname(log), name="ray_train", failure_config=FailureConfig(max_failures=1))
     TorchTrainer(_ray_train_loop, train_loop_config={"log": log}, scaling_config=scaling, run_config=run).fit()
-    return {"decided_at": None, "source": "checkpoint"}
+    return {"decided_at": None, "source": "checkpoint" if os.path.exists(_resumed(log)) else None}
 
 
 CONTENDERS = {"ray_lightning": _ray_lightning, "ray_train": _ray_train}
