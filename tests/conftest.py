@@ -21,14 +21,9 @@ from tests.s3_server import bucket, s3_endpoint  # noqa: F401 - fixtures of the 
 if TYPE_CHECKING:
     from ray.cluster_utils import Cluster
 
-# Every Ray the tests start (the session's, clusters, examples', benchmarks') inherits this: GCS checks each raylet
-# every second instead of every 3 s, so a node a test removes is declared dead after ~5 s (5 failed checks) instead
-# of ~15 s. A killed raylet fails its checks at once; a live one is still declared dead only after 5 checks that each
-# waited the default 10 s timeout, so a busy 2-core machine is no likelier to lose a node than before. Measured:
-# the elastic benchmark's smoke run 152 s -> 109 s, Ray Train's "loss -> training again" 24 -> 15 s.
-os.environ.setdefault("RAY_health_check_period_ms", "1000")
-# Nothing here reads Ray's Prometheus metrics; collecting them cost an idle Ray a quarter of its CPU (4.9 against 3.7
-# CPU-seconds a minute, measured), in each of the suite's Rays for all its minutes.
+# Every Ray the tests start (the session's, clusters', examples', benchmarks') inherits this. Nothing here reads Ray's
+# Prometheus metrics; collecting them cost an idle Ray a quarter of its CPU (4.9 against 3.7 CPU-seconds a minute,
+# measured), in each of the suite's Rays for all its minutes.
 os.environ.setdefault("RAY_enable_metrics_collection", "0")
 # More logical CPUs than this machine has: the tests start several 1-CPU workers at once.
 SESSION_CPUS = 8

@@ -122,10 +122,9 @@ class Growth:
         ``spare()``: the group's bundles placed but unused (its own, placed again after a lost node, and room reserved
         here) whose worker started there meanwhile is up (:mod:`.standby`). ``reserve(pg)``: room the probe of the
         cluster found and reserved (a placement group, placed) is handed to the group, whose workers then start there.
-        Returns at once: the probe answers at a later message. Every grow keeps the running processes;
-        ``in_memory``: every rank holds the fit's state (DDP, Horovod), so
-        it grows at the next batch, from memory; else (sharded) from the first checkpoint that arrives once the new
-        workers are up.
+        Returns at once: the probe answers at a later message. Every grow keeps the running processes; ``in_memory``:
+        every rank holds the fit's state (DDP, Horovod), so it grows at the next batch, from memory; else (sharded) from
+        the first checkpoint that arrives once the new workers are up.
         """
         most, room, now = self.settings.max_workers - size, self._probed(size), time.monotonic()
         # No grow at the most workers, before a checkpoint, for a preemption's (the attempt stops for the notice; the
