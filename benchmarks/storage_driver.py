@@ -108,6 +108,10 @@ CASES: dict[str, Case] = {
              "memory", storage=False),
         Case("mem_storage", f"{_FSDP}, max_failures=1, storage_path=s3://...): each rank uploads its shard",
              "memory"),
+        Case("mem_ddp_none", "RayStrategy(num_workers=2, max_failures=0): no recovery checkpoints (reference)",
+             "memory", sharded=False, max_failures=0, storage=False),
+        Case("mem_ddp_driver", "RayStrategy(num_workers=2, max_failures=1), no storage_path: each rank's part of "
+             "the checkpoint to the driver's disk", "memory", sharded=False, storage=False),
         Case("cost_fsdp_none", f"{_FSDP}, max_failures=0): no checkpoints (step reference)", "cost",
              max_failures=0, storage=False),
         Case("cost_fsdp_sync", f"{_FSDP}, max_failures=1, storage_path=s3://...), each save waits for its upload",

@@ -50,6 +50,13 @@ RESUME_METRICS = (
 )
 METRICS = {"memory": MEMORY_METRICS, "cost": COST_METRICS, "resume": RESUME_METRICS}
 MEMORY_BASELINE = "mem_none"
+
+
+def memory_reference(case: Case) -> str:
+    """The fit without recovery checkpoints a memory case is compared with: the same strategy's."""
+    return MEMORY_BASELINE if case.sharded else "mem_ddp_none"
+
+
 RESUME_BASELINE = "cold_start"
 # Per part: the metrics compared (×ratio of medians) with the part's reference case.
 _RATIO_KEYS = {
@@ -62,7 +69,7 @@ RANK_SLACK = 1.10
 ASYNC_SHARE_OF_SYNC = 0.10
 STEP_SHARE_PCT = 2.0
 # The cases judged against the goals, per goal.
-MEMORY_JUDGED = ("mem_storage", "mem_driver")
+MEMORY_JUDGED = ("mem_storage", "mem_driver", "mem_ddp_driver")
 ASYNC_JUDGED = ("cost_fsdp_async", "cost_ddp_async")
 # ray_lightning's DDP cases against Ray Train's with the same upload mode.
 AGAINST_RAY_TRAIN = {"cost_ddp_sync": "ray_train_sync", "cost_ddp_async": "ray_train_async"}
@@ -93,7 +100,7 @@ def build(results: list[dict[str, Any]], order: list[str], spec: StorageSpec) ->
         case = CASES[name]
         if case.part == "cost":
             _ratio(entry, table.get(case.against or ""), "added_per_checkpoint_s", "added_per_checkpoint_s")
-        reference = {"memory": MEMORY_BASELINE, "resume": RESUME_BASELINE}.get(case.part)
+        reference = {"memory": memory_reference(case), "resume": RESUME_BASELINE}.get(case.part)
         for key in _RATIO_KEYS.get(case.part, ()):
             _ratio(entry, table.get(reference or ""), key, key)
         if case.part == "cost":
@@ -120,8 +127,8 @@ def _add_derived(runs: list[dict[str, Any]], case: Case, results: list[dict[str,
         if case.part == "memory":
             for rank in (0, 1):
                 key = f"rank{rank}_peak_rss_mb"
-                base = _referencemedian(results, MEMORY_BASELINE, key)
-                ok = base is not None and metrics.get(key) is not None and case.name != MEMORY_BASELINE
+                base = _referencemedian(results, memory_reference(case), key)
+                ok = base is not None and metrics.get(key) is not None and case.name != memory_reference(case)
                 metrics[f"rank{rank}_added_mb"] = metrics[key] - base if ok else None
         elif case.part == "cost":
             base = _referencemedian(results, step_reference(case), "mean_step_ms")

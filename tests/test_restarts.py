@@ -46,8 +46,10 @@ class FailsOnce(BoringModel):
         step_s=0.0,
         dropout: float = 0.0,
         checkpoint_step: int | None = None,
+        zero: bool = False,
     ):
         super().__init__()
+        self.zero = zero  # torch's ZeroRedundancyOptimizer (SGD with momentum): each rank holds a shard of the state
         self.marker, self.how, self.fail_epoch, self.fail_batch, self.fail_rank = marker, how, epoch, batch, rank
         self.step_s = step_s
         self.checkpoint_step = checkpoint_step
@@ -55,6 +57,13 @@ class FailsOnce(BoringModel):
 
     def forward(self, x):
         return self.layer(self.dropout(x))
+
+    def configure_optimizers(self):
+        if not self.zero:
+            return super().configure_optimizers()
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(self.parameters(), torch.optim.SGD, lr=self.hparams.lr, momentum=0.9)
 
     def on_fit_start(self):
         # Which process ran each rank, attempt after attempt, and when that process started.
@@ -171,6 +180,30 @@ def test_a_killed_worker_restarts_and_the_fit_ends_as_without_the_failure(tmp_pa
     # The killed worker's actor is gone; the group (with a new spare) waits for the next call, or is stopped.
     killed_pid = int(first[1][1])
     wait_for(lambda: killed_pid not in {a.pid for a in alive_worker_actors()}, 30, "the killed worker's actor to go")
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["sgd", "zero_redundancy_optimizer"])
+def test_a_ddp_restart_from_a_checkpoint_reads_the_part_each_rank_wrote(tmp_path, monkeypatch, zero):
+    # The driver restarts from the checkpoint, not from the survivor's memory (the workers' class is unchanged).
+    monkeypatch.setattr(RayStrategy, "state_in_every_rank", False)
+    pl.seed_everything(0)
+    marker = tmp_path / "killed"
+    trainer = _trainer(tmp_path, RayStrategy(num_workers=2, max_failures=1))
+    model = FailsOnce(str(marker), checkpoint_step=4, zero=zero)
+    trainer.fit(model)
+
+    (restart,) = trainer.strategy.restarts
+    assert (restart.epoch, restart.global_step, restart.source) == (1, 4, "checkpoint")
+    # Rank 0 did not write the whole state: each rank wrote its part of the weights (and of SGD's momentum, which
+    # ZeroRedundancyOptimizer gathers on rank 0 alone: rank 0 wrote it).
+    assert (tmp_path / "killed.checkpoint").read_text().split() == [
+        "COMPLETE.json",
+        "part-0.pt",
+        "part-1.pt",
+        "skeleton.pt",
+    ]
+    assert (trainer.current_epoch, trainer.global_step) == (3, 12)
+    assert torch.equal(model.layer.weight, _reference_weights(tmp_path, zero=zero))
 
 
 def test_a_killed_worker_mid_accumulation_goes_on_from_the_last_step_the_survivor_completed(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ import json
 import threading
 
 import pytest
+import torch
 
 from ray_lightning import RayStrategy
 from ray_lightning.config.storage import StorageSettings, name_now
@@ -118,3 +119,48 @@ def test_a_snapshot_does_not_change_with_training():
     weights.add_(1.0)  # the next optimizer step
     assert torch.equal(copy["state_dict"]["w"], torch.zeros(3)) and type(copy["state_dict"]) is collections.OrderedDict
     assert copy["optimizer_states"] == [{"step": 1}] and copy["epoch"] == 2
+
+
+def test_a_replicated_checkpoint_is_dealt_evenly_and_put_back_whole(tmp_path):
+    """home.spread: each rank's part of a DDP recovery checkpoint, and the whole read back from the parts."""
+    from collections import OrderedDict
+
+    from ray_lightning.home import spread
+
+    owner = spread.deal([100, 60, 50, 40, 30, 20, 5], 3)
+    loads = [sum(size for size, rank in zip([100, 60, 50, 40, 30, 20, 5], owner) if rank == r) for r in range(3)]
+    # Within 4/3 of an even share (largest first's bound), and the same dealing in every rank.
+    assert max(loads) <= 4 / 3 * sum(loads) / 3 and min(loads) > 0
+    assert spread.deal([100, 60, 50, 40, 30, 20, 5], 3) == owner
+
+    weight, bias, running = torch.randn(4, 3), torch.randn(4), torch.randn(4)
+    checkpoint = {
+        "epoch": 2,
+        "state_dict": OrderedDict([("layer.weight", weight), ("layer.bias", bias), ("norm.running_mean", running)]),
+        "optimizer_states": [{"state": {0: {"momentum_buffer": weight * 2}, 1: {"momentum_buffer": bias * 2}},
+                              "param_groups": [{"lr": 0.1, "params": [0, 1]}]}],
+    }  # fmt: skip
+    paths = spread._shared_paths(checkpoint, {"layer.weight", "layer.bias"})
+    # The buffer (each rank updates its own) stays with the skeleton, rank 0's.
+    assert ("state_dict", "norm.running_mean") not in paths and len(paths) == 4
+    skeleton = spread._without(checkpoint, paths)
+    assert skeleton["state_dict"]["layer.weight"] is None and torch.equal(
+        skeleton["state_dict"]["norm.running_mean"], running
+    )
+    assert isinstance(skeleton["state_dict"], OrderedDict) and checkpoint["state_dict"]["layer.weight"] is weight
+
+    owner = spread.deal([spread._get(checkpoint, p).numel() for p in paths], 2)
+    for rank in (0, 1):
+        mine = [i for i, o in enumerate(owner) if o == rank]
+        part = {"paths": [list(paths[i]) for i in mine], "tensors": [spread._get(checkpoint, paths[i]) for i in mine]}
+        torch.save(part, tmp_path / f"part-{rank}.pt")
+    torch.save({**skeleton, "spread_over": 2}, tmp_path / spread.SKELETON)
+    assert spread.is_spread(str(tmp_path)) and not spread.is_spread(str(tmp_path / "elsewhere"))
+
+    whole = spread.load(str(tmp_path), lambda path: torch.load(path, weights_only=False))
+    assert whole["epoch"] == 2 and "spread_over" not in whole
+    assert torch.equal(whole["state_dict"]["layer.weight"], weight) and torch.equal(
+        whole["state_dict"]["layer.bias"], bias
+    )
+    assert torch.equal(whole["optimizer_states"][0]["state"][1]["momentum_buffer"], bias * 2)
+    assert list(whole["state_dict"]) == ["layer.weight", "layer.bias", "norm.running_mean"]

@@ -18,14 +18,15 @@ Decisions:
   Lightning resumes at the next epoch exactly (the same batches, and the same weights for a
   deterministic module: checked from Lightning 2.4 to 2.6). The next epoch's start would not do:
   Lightning 2.6 takes a checkpoint from there as a finished epoch and skips it.
-* Rank 0 alone takes it: under DDP and Horovod every rank holds the same weights and optimizer
-  state, and nothing here waits for the other ranks. Under a sharded strategy (its
-  ``collective_checkpoints``) every rank takes part, each writing its own shards
-  (``strategy.checkpoint_to_storage``; FSDP1 and DeepSpeed gather on rank 0), and whether a preemption
-  asks for one is agreed by all ranks (a one-number all-reduce: a notice reaches one rank alone) about once
-  per :data:`AGREE_EVERY_S` of training, not at every step: a host-device synchronization per step would cost
-  GPUs their lead. The ranks count batches alike, so they agree at the same batch: after
-  :data:`CALIBRATION_BATCHES` batches (agreed at each), rank 0's batch time sets the interval, broadcast once.
+* Under Horovod rank 0 alone takes it: every rank holds the same weights and optimizer state, and nothing
+  here waits for the other ranks. Under DDP (:mod:`.spread`) and a sharded strategy (their
+  ``collective_checkpoints``) every rank takes part: DDP's each writing a part of the state they all hold, a
+  sharded strategy's each its own shards (``strategy.checkpoint_to_storage``; FSDP1 and DeepSpeed gather on
+  rank 0). Whether a preemption asks for one is agreed by all ranks (a one-number all-reduce: a notice reaches
+  one rank alone) about once per :data:`AGREE_EVERY_S` of training, not at every step: a host-device
+  synchronization per step would cost GPUs their lead. The ranks count batches alike, so they agree at the
+  same batch: after :data:`CALIBRATION_BATCHES` batches (agreed at each), rank 0's batch time sets the interval,
+  broadcast once.
   A notice then waits at most about a second for its checkpoint (a spot notice gives 30 s or more).
 * Lightning's checkpoints hold no random generator state: rank 0 sends its generators' states as
   the first step after a checkpoint starts, and a restarted fit sets them on every rank at its
@@ -52,7 +53,7 @@ from typing_extensions import override
 
 from ray_lightning import _lightning, namespaces, runtime
 from ray_lightning.channel.driver_channel import send_object_to_driver
-from ray_lightning.home import storage
+from ray_lightning.home import spread, storage
 from ray_lightning.home.files import StagingMirror
 
 if TYPE_CHECKING:
@@ -209,7 +210,10 @@ class RecoveryCheckpoints(*namespaces.every("callbacks.Checkpoint")):
             send_object_to_driver(done, sent)
 
         wall_started = time.time()
-        write_checkpoint(trainer, folder, storage.CHECKPOINT_FILE, complete)
+        if spread.applies(trainer):  # DDP: every rank writes a part of the state it holds alike
+            spread.write(trainer, folder, complete)
+        else:
+            write_checkpoint(trainer, folder, storage.CHECKPOINT_FILE, complete)
         blocked = time.perf_counter() - started
         if rank_zero:
             log.debug("ray_lightning: recovery checkpoint into %s; training waited %.3f s", folder, blocked)

@@ -10,6 +10,7 @@ from typing import Any
 from typing_extensions import override
 
 from ray_lightning import runtime
+from ray_lightning.home import spread
 from ray_lightning.home.files import path_forms
 
 
@@ -45,6 +46,13 @@ class WorkerCheckpoints:
         self._refuse_if_weights_stayed(f"trainer.save_checkpoint({os.fspath(filepath)!r})")
         # The driver's module, whole: one file (a sharded strategy's own saving is collective, for its workers).
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        load = super().load_checkpoint
+        if self._worker is not None and spread.is_spread(checkpoint_path):  # a DDP recovery checkpoint, in parts
+            return spread.load(os.fspath(checkpoint_path), lambda path: load(path, *args, **kwargs))
+        return load(checkpoint_path, *args, **kwargs)
 
     def _refuse_if_weights_stayed(self, what: str) -> None:
         if getattr(self, "_send_full_weights", True) is False:

@@ -133,6 +133,7 @@ class RayStrategy(RayWorkersMixin):
     lightning_base = "strategies.DDPStrategy"
 
     state_in_every_rank = True  # DDP: every rank holds the whole state (launch.memory)
+    collective_checkpoints = True  # every rank writes a part of each recovery checkpoint (home.spread)
 
     @worker_arguments(
         passes_on=("strategies.DDPStrategy", "torch.nn.parallel.DistributedDataParallel"), decided=_DECIDED
