@@ -108,6 +108,10 @@ def _group(strategy: Any) -> Any:
     return strategy._spread_group[1]
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def _alike(listing: list[Any], group: Any) -> bool:
     """Whether every rank has the same ``listing`` (a digest of it gathered from each: a few bytes per rank)."""
     digest = hashlib.sha1(repr(listing).encode()).hexdigest()
@@ -125,24 +129,26 @@ def write(trainer: Any, folder: str, complete: Callable[[str], None]) -> None:
     names = {name for name, _ in trainer.lightning_module.named_parameters()}
     group = _group(trainer.strategy)
     paths = _shared_paths(checkpoint, names)
-    tensors = [_get(checkpoint, path) for path in paths]
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    if not _alike([(path, size) for path, size in zip(paths, sizes) if path[0] == "optimizer_states"], group):
-        # An optimizer that shards its state (ZeroRedundancyOptimizer) gives it to rank 0 alone: rank 0 writes it.
-        kept = [i for i, path in enumerate(paths) if path[0] != "optimizer_states"]
-        paths, tensors, sizes = [paths[i] for i in kept], [tensors[i] for i in kept], [sizes[i] for i in kept]
     rank, world_size = trainer.global_rank, trainer.world_size
-    owner = deal(sizes, world_size)
 
     def start() -> Callable[[], None]:
-        mine = [i for i in range(len(paths)) if owner[i] == rank]
-        part = {"paths": [list(paths[i]) for i in mine], "tensors": [storage.snapshot(tensors[i]) for i in mine]}
-        skeleton = _without(checkpoint, paths) if rank == 0 else None
+        # Here, after this rank's previous upload ended (Uploads.submit): the group's collectives never overlap a
+        # job's. The gathering also waits for rank 0's previous completion, which removes every other folder of
+        # the run's recovery checkpoints (this one's parts, were they written before it).
+        shared = paths
+        listing = [(path, _nbytes(_get(checkpoint, path))) for path in shared if path[0] == "optimizer_states"]
+        if not _alike(listing, group):
+            # An optimizer that shards its state (ZeroRedundancyOptimizer) gives it to rank 0 alone: rank 0 writes it.
+            shared = [path for path in shared if path[0] != "optimizer_states"]
+        owner = deal([_nbytes(_get(checkpoint, path)) for path in shared], world_size)
+        mine = [path for path, holder in zip(shared, owner) if holder == rank]
+        part = {
+            "paths": [list(path) for path in mine],
+            "tensors": [storage.snapshot(_get(checkpoint, path)) for path in mine],
+        }
+        skeleton = _without(checkpoint, shared) if rank == 0 else None
 
         def job() -> None:
-            # Rank 0 has completed the checkpoint before (its completion removes every other folder of the run's
-            # recovery checkpoints, which would take this one's parts written meanwhile).
-            torch.distributed.barrier(group=group)
             storage.save_checkpoint(storage.join(folder, _PART.format(rank=rank)), part)
             if skeleton is not None:
                 storage.save_checkpoint(storage.join(folder, SKELETON), {**skeleton, "spread_over": world_size})
