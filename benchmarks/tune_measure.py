@@ -23,7 +23,7 @@ from typing import Any
 
 from benchmarks.measure import measurement_main
 from benchmarks.tune_workload import TrialClock, TuneModule, TuneSpec, append_record, pl, read_records, trainer_kwargs
-from benchmarks.workload import ray_train_trainer
+from benchmarks.workload import fit_from_ray_train_checkpoint, ray_train_trainer
 
 
 def _trial_started(clock_path: str) -> str:
@@ -54,20 +54,13 @@ def ray_lightning_trial(config: dict[str, Any], spec: TuneSpec, clock_path: str)
 def _ray_train_loop(config: dict[str, Any]) -> None:
     """Ray Train's ``train_loop_per_worker``, resuming from ``ray.train.get_checkpoint()`` as Ray's Lightning guide
     shows."""
-    import ray.train
     from ray.train.lightning import RayTrainReportCallback
 
     spec = TuneSpec.from_json(config["spec"])
     trainer = ray_train_trainer(
         trainer_kwargs(spec), [RayTrainReportCallback(), TrialClock(config["clock"], config["token"])]
     )
-    module = TuneModule(spec, lr=config["lr"])
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint:
-        with checkpoint.as_directory() as directory:
-            trainer.fit(module, ckpt_path=os.path.join(directory, RayTrainReportCallback.CHECKPOINT_NAME))
-    else:
-        trainer.fit(module)
+    fit_from_ray_train_checkpoint(trainer, TuneModule(spec, lr=config["lr"]))
 
 
 def ray_train_trial(config: dict[str, Any], spec: TuneSpec, clock_path: str) -> None:

@@ -149,7 +149,7 @@ def _ray_train_loop(config: dict) -> None:
     import ray.train
     from ray.train.lightning import RayLightningEnvironment, RayTrainReportCallback
 
-    from benchmarks.workload import pl  # Ray Train's namespace, for every contender
+    from benchmarks.workload import fit_from_ray_train_checkpoint, pl  # pl: Ray Train's namespace, for every contender
 
     # Ray's documented FSDP (ray.train.lightning.RayFSDPStrategy) is FSDP1, which torch refuses on a CPU ("FSDP
     # needs a non-CPU accelerator device"); its FSDP2 is Lightning's ModelParallelStrategy, in Ray's Lightning
@@ -167,13 +167,7 @@ def _ray_train_loop(config: dict) -> None:
         enable_checkpointing=False,
         num_sanity_val_steps=0,
     )
-    module = _module({**config, "fully_shard": True})
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint:
-        with checkpoint.as_directory() as directory:
-            trainer.fit(module, ckpt_path=os.path.join(directory, RayTrainReportCallback.CHECKPOINT_NAME))
-    else:
-        trainer.fit(module)
+    fit_from_ray_train_checkpoint(trainer, _module({**config, "fully_shard": True}))
 
 
 def ray_train_trial(config: dict) -> None:

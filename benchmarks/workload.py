@@ -149,6 +149,20 @@ def ray_train_trainer(arguments: dict[str, Any], callbacks: list[Any]) -> Any:
     return prepare_trainer(trainer)
 
 
+def fit_from_ray_train_checkpoint(trainer: Any, module: Any) -> None:
+    """Inside Ray Train's ``train_loop_per_worker``: ``trainer.fit(module)``, resuming from
+    ``ray.train.get_checkpoint()`` (a ``RayTrainReportCallback`` checkpoint) as Ray's Lightning guide shows."""
+    import ray.train
+    from ray.train.lightning import RayTrainReportCallback
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as directory:
+            trainer.fit(module, ckpt_path=os.path.join(directory, RayTrainReportCallback.CHECKPOINT_NAME))
+    else:
+        trainer.fit(module)
+
+
 class StepClock(pl.Callback):
     """Records rank 0's wall-clock times during ``fit`` and writes them to ``path`` in ``on_fit_end``.
 
