@@ -465,6 +465,57 @@ def test_an_elastic_fit_grows_from_two_to_three_workers_in_its_processes(
     assert len(on_two) == 2 and len(on_three) == 3 and on_two < on_three, "the two processes went on, one beside"
 
 
+class EndsAsTheGrowIsDecided(BoringModel):
+    """Rank 0, past its last batch, tells the test so (a file), then stays in the call until the driver's cancel
+    reached it, as when a grow is decided while the fit ends."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        self.directory = directory
+
+    def on_train_end(self) -> None:
+        ended = Path(self.directory) / "past the last batch"
+        if ended.exists():  # an attempt after the first (the test then fails on its restarts)
+            return
+        ended.touch()
+        import ray
+
+        wait_for(ray.get_runtime_context().is_canceled, 60, "the driver to cancel the call")
+
+
+def test_a_grow_decided_as_the_fit_ends_keeps_its_results_and_starts_no_other_attempt(
+    ray_local, no_waiting_workers, tmp_path, monkeypatch
+):
+    """The driver decides a grow (room is up) when the ranks are past their last batch: they end the call as it is
+    cancelled, and the fit returns what they trained, with no attempt that trains nothing after it."""
+    import ray_lightning.launch.launcher as launcher
+
+    ended = tmp_path / "past the last batch"
+    decided: list[WorkersGrowError] = []
+
+    def grow_once() -> WorkersGrowError | None:  # Growth.check's answer once room is up
+        if decided or not ended.exists():
+            return None
+        decided.append(WorkersGrowError("ray_lightning: the cluster can hold 2 workers now", 2))
+        return decided[0]
+
+    monkeypatch.setattr(launcher, "stop_check", lambda *args: grow_once)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        limit_train_batches=4,
+        strategy=RayStrategy(num_workers=(1, 2), resources_per_worker={"CPU": 1, "custom_accel": 4}),
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    model = EndsAsTheGrowIsDecided(str(tmp_path))
+    before = model.layer.weight.detach().clone()
+    trainer.fit(model)
+    assert decided and trainer.strategy.restarts == [], trainer.strategy.restarts
+    # 4 batches, accumulated 2 a step: 1 worker of at most 2 keeps the global batch of 2.
+    assert trainer.global_step == 2 and not torch.equal(model.layer.weight, before), "the ranks' training came home"
+
+
 def _recorded(errors: list, function, *args) -> None:
     try:
         function(*args)

@@ -58,6 +58,7 @@ class RayWorker:
         self._unfinished: WorkerCall | None = None  # see finish_call
         self._niceness: int | None = None  # the last call's (the driver's), for let_go
         self._weights: list[Any] = []  # chunks of the last call's trained weights, until the driver takes them
+        self._completed: tuple[WorkerOutput | None] | None = None  # the last call's output, if it returned (completed)
         # torch's generator as a new process has it (a fixed default seed), for every later call (finish_call).
         self._fresh_torch_random = torch.get_rng_state()
         # Start-up marks of this process (channel.timings): when it started, when Ray had it load this class (its
@@ -101,7 +102,7 @@ class RayWorker:
         (see :mod:`.call`).
         """
         self.finish_call()
-        self._weights = []
+        self._weights, self._completed = [], None
         if context.rank.global_rank != self._global_rank:
             # A spare taking a dead worker's place, or a group re-formed after a lost node: the driver prints this
             # process's lines as "(rank N pid=...)" again, N its rank now (Ray read the name once, at the start).
@@ -127,11 +128,17 @@ class RayWorker:
         if output is not None and isinstance(output.weights, list):
             # The weights stay here until the driver asks for them, a chunk at a time (weights_chunk).
             self._weights, output.weights = output.weights, len(output.weights)
+        self._completed = (output,)
         # The code as it is now ran this call: a later change on disk makes the process stale.
         self._code_files = imported_code_files()
         # The clean-up for the next call waits until the results are on their way (finish_call).
         self._unfinished = call
         return output
+
+    def completed(self) -> tuple[WorkerOutput | None] | None:
+        """``(output,)`` as the last :meth:`execute` returned it, None if it raised: what a call the driver cancelled
+        as it ended returned (Ray then reports the call cancelled, :meth:`~.worker_group.WorkerGroup.interrupt`)."""
+        return self._completed
 
     def let_go(self) -> None:
         """After a failed call, once :meth:`execute` has returned: free what the failed fit still held.

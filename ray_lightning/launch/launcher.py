@@ -82,7 +82,7 @@ from ray_lightning.launch.recovery import Recovery
 from ray_lightning.launch.runs import announce_run
 from ray_lightning.launch.session import alive_node_ids, driver_node_id, ensure_ray_initialized
 from ray_lightning.launch.watchdog import Watchdog
-from ray_lightning.launch.worker_group import WorkerGroup
+from ray_lightning.launch.worker_group import GROW_WAIT_S, WorkerGroup
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -93,8 +93,9 @@ log = logging.getLogger(__name__)
 # machine too busy to forward it), and after a worker raised.
 _OUTPUT_WAIT_S, _FAILED_OUTPUT_WAIT_S = 10.0, 3.0
 # After a worker died, how long a restart waits for the others to come out of the broken call (and answer that they
-# can run the next one) before it replaces them too; at a grow (no peer died) longer, as it ends once all are out.
-SALVAGE_WAIT_S, GROW_WAIT_S = 5.0, 30.0
+# can run the next one) before it replaces them too; at a grow (no peer died) longer (GROW_WAIT_S), as it ends once all
+# are out.
+SALVAGE_WAIT_S = 5.0
 # After a lost node, how long a fixed-size fit's survivors wait for Ray to place its bundles again elsewhere before the
 # restart starts a new group instead (which waits for the cluster with placement_timeout_s, and starts every process).
 PLACED_AGAIN_WAIT_S = 30.0
@@ -225,9 +226,8 @@ class RayLauncher(BringsHome, *_lightning.launcher_bases()):
         failure = attempt.failure
         assert failure is not None
         grow = failure.error.size if decision.keep_processes and isinstance(failure.error, WorkersGrowError) else 0
+        # A grow: into the fit's own bundles (launch.elastic), every rank left the call at its next batch (group.run).
         wait_s = GROW_WAIT_S if grow else SALVAGE_WAIT_S
-        if grow:  # into the fit's own bundles (launch.elastic): every rank leaves the call at its next batch
-            attempt.group.interrupt(wait_s)
         if not decision.keep_processes and failure.kind not in ENDS_ITSELF:
             attempt.group.shutdown()  # the workers are well (a drain, a hang): stopped, or they would train on
         # Rank 0's files since its last recovery checkpoint, on a node that is gone, are lost: the restart goes back to

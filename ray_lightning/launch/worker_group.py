@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray_lightning.channel.driver_channel import DriverChannel
 from ray_lightning.config.resources import WorkerResources
 from ray_lightning.environment import WorkerRank, assign_ranks
-from ray_lightning.errors import RayWorkerError, WorkerStartupError, WorkerStartupTimeoutError
+from ray_lightning.errors import RayWorkerError, WorkersGrowError, WorkerStartupError, WorkerStartupTimeoutError
 from ray_lightning.home.results import WorkerOutput
 from ray_lightning.launch.actor import NodeInfo, RayWorker
 from ray_lightning.launch.placement import Placement
@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 RENDEZVOUS_TIMEOUT_FACTOR = 2.0
 # How often a group that lost a node reads whether Ray placed its bundles again (salvage's placed_wait_s).
 PLACED_POLL_S = 0.5
+# How long a grow waits for every rank to leave the call at its next batch (interrupt).
+GROW_WAIT_S = 30.0
 
 
 class WorkerGroup:
@@ -194,17 +196,30 @@ class WorkerGroup:
         self.ranks = assign_ranks(self.placement.nodes)
         return [running[i] for i in keep]
 
-    def interrupt(self, wait_s: float) -> None:
+    def interrupt(self, wait_s: float) -> list[WorkerOutput | None] | None:
         """Cancel the running call; wait (``wait_s`` at most) until every rank left it, each that did letting go of
-        its process group at once, so that one in a collective with it fails too instead of waiting for it."""
+        its process group at once, so that one in a collective with it fails too instead of waiting for it.
+
+        Returns every rank's output when each ended the call by itself meanwhile (the fit was past its last batch as
+        the grow was decided), else None. Ray reports a task cancelled while it ran as cancelled even when it then
+        returned, so the outputs are asked of the workers, which keep the last call's (:meth:`RayWorker.completed`).
+        """
         for ref in self._running:
             with contextlib.suppress(Exception):
                 ray.cancel(ref)
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
+        while len(ray.wait(self._running, num_returns=len(self._running), timeout=0.1)[0]) < len(self._running):
             self._let_go_ended()
-            if len(ray.wait(self._running, num_returns=len(self._running), timeout=0.1)[0]) == len(self._running):
-                return
+            if time.monotonic() >= deadline:
+                return None
+        try:
+            kept = ray.get([actor.completed.remote() for actor in self.actors], timeout=wait_s)
+        except Exception:  # noqa: BLE001 - a worker that cannot answer ended no call: the grow goes on
+            return None
+        if any(output is None for output in kept):
+            self._let_go_ended()
+            return None
+        return [output[0] for output in kept]
 
     def held_room(self) -> int:
         """The group's own bundles placed that no worker uses (:meth:`Placement.placed_unused`: a lost node's placed
@@ -334,7 +349,14 @@ class WorkerGroup:
         refs = [actor.execute.remote([payload], ctx) for actor, ctx in zip(self.actors, contexts)]
         self._running, self._let_go = refs, set()
         ranks = [c.rank.global_rank for c in contexts]
-        outputs = wait_for_outputs(refs, ranks, self.infos, channel, watchdog, stop, collective_errors)
+        try:
+            outputs = wait_for_outputs(refs, ranks, self.infos, channel, watchdog, stop, collective_errors)
+        except WorkersGrowError:
+            # Every rank leaves the call at its next batch; unless it had ended the fit meanwhile (no batch left).
+            ended = self.interrupt(GROW_WAIT_S)
+            if ended is None:
+                raise
+            outputs = ended
         self._running = []
         self.newcomers.stop()  # started for a grow the call did not live to make
         self.placement.release_unused()
