@@ -1,6 +1,6 @@
 """A node joins an elastic fit: how long until the fit trains on it, and how long the running ranks pause.
 
-    .venv/bin/python -m benchmarks.elastic_join [ray_lightning] [ray_train]   # from the repository root
+    .venv/bin/python -m benchmarks.elastic_join [ray_lightning] [ray_train] [--out DIR]   # from the repository root
 
 Each contender on a ``ray.cluster_utils.Cluster`` of its own in this process: a head without CPUs and two 1-CPU
 worker nodes. Its fit (a linear model, 50 ms of sleep per step: a node's own compute, a checkpoint every 5 steps)
@@ -16,9 +16,9 @@ machine). The spot benchmark (``benchmarks.elastic``) measures the grow back int
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -164,10 +164,18 @@ def measure(name: str) -> dict:
 
 
 def main() -> None:
-    names = sys.argv[1:] or list(CONTENDERS)
-    rows = [measure(name) for name in names]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("contenders", nargs="*", help=f"of {', '.join(CONTENDERS)} (default: both)")
+    parser.add_argument("--out", help="a folder: the rows also go to elastic_join.json there")
+    args = parser.parse_args()
+    if unknown := set(args.contenders) - set(CONTENDERS):
+        parser.error(f"unknown contender(s) {sorted(unknown)}: choose from {list(CONTENDERS)}")
+    rows = [measure(name) for name in args.contenders or list(CONTENDERS)]
     for row in rows:
         print(json.dumps(row))
+    if args.out:
+        with open(os.path.join(args.out, "elastic_join.json"), "w") as f:
+            json.dump(rows, f)
     if len(rows) == 2:  # the ratios of this run, RayStrategy's against Ray Train's
         for key in ("added_to_training_on_3_s", "pause_s"):
             print(f"{key}: ray_lightning x{rows[0][key] / rows[1][key]:.2f} of ray_train")
