@@ -219,6 +219,7 @@ SLOWEST_FIRST = (
     "tests/test_storage.py",
     "tests/test_multinode.py",
     "tests/test_benchmarks_data.py",
+    "tests/test_benchmarks_elastic_join.py",
     "tests/test_loggers.py",
     "tests/test_notebook.py",
     "tests/test_hydra_app.py",
