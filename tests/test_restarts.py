@@ -206,6 +206,19 @@ def test_a_ddp_restart_from_a_checkpoint_reads_the_part_each_rank_wrote(tmp_path
     assert torch.equal(model.layer.weight, _reference_weights(tmp_path, zero=zero))
 
 
+def test_a_zero_redundancy_optimizer_fit_goes_on_from_the_checkpoint_not_from_a_survivors_shard(tmp_path):
+    """ZeroRedundancyOptimizer shards the optimizer's state: no survivor holds the whole of it, so a restart after a
+    kill reads the newest recovery checkpoint, and the fit ends as without the failure."""
+    pl.seed_everything(0)
+    trainer = _trainer(tmp_path, RayStrategy(num_workers=2, max_failures=1))
+    model = FailsOnce(str(tmp_path / "killed"), checkpoint_step=4, zero=True)
+    trainer.fit(model)
+    (restart,) = trainer.strategy.restarts
+    assert (restart.epoch, restart.global_step, restart.source) == (1, 4, "checkpoint"), restart
+    assert (trainer.current_epoch, trainer.global_step) == (3, 12)
+    assert torch.equal(model.layer.weight, _reference_weights(tmp_path, zero=True))
+
+
 def test_a_killed_worker_mid_accumulation_goes_on_from_the_last_step_the_survivor_completed(tmp_path, monkeypatch):
     # Without spare processes (as a GPU fit, whose replacement is a new process): the restart waits for one.
     monkeypatch.setenv("RAY_LIGHTNING_SPARE_WORKERS", "0")
