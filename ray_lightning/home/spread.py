@@ -128,19 +128,18 @@ def write(trainer: Any, folder: str, complete: Callable[[str], None]) -> None:
     checkpoint = _lightning.dump_checkpoint(trainer)
     names = {name for name, _ in trainer.lightning_module.named_parameters()}
     group = _group(trainer.strategy)
-    paths = _shared_paths(checkpoint, names)
+    sizes = {path: _nbytes(_get(checkpoint, path)) for path in _shared_paths(checkpoint, names)}
     rank, world_size = trainer.global_rank, trainer.world_size
 
     def start() -> Callable[[], None]:
         # Here, after this rank's previous upload ended (Uploads.submit): the group's collectives never overlap a
         # job's. The gathering also waits for rank 0's previous completion, which removes every other folder of
         # the run's recovery checkpoints (this one's parts, were they written before it).
-        shared = paths
-        listing = [(path, _nbytes(_get(checkpoint, path))) for path in shared if path[0] == "optimizer_states"]
-        if not _alike(listing, group):
+        shared = list(sizes)
+        if not _alike([(path, size) for path, size in sizes.items() if path[0] == "optimizer_states"], group):
             # An optimizer that shards its state (ZeroRedundancyOptimizer) gives it to rank 0 alone: rank 0 writes it.
             shared = [path for path in shared if path[0] != "optimizer_states"]
-        owner = deal([_nbytes(_get(checkpoint, path)) for path in shared], world_size)
+        owner = deal([sizes[path] for path in shared], world_size)
         mine = [path for path, holder in zip(shared, owner) if holder == rank]
         part = {
             "paths": [list(path) for path in mine],
