@@ -75,6 +75,13 @@ class _Node:
     process: subprocess.Popen
     temp_dir: Path
     log: Path
+    start: tuple[list[str], int, dict[str, float] | None]  # what `ray start` was given: args, CPUs, resources
+    started_again: bool = False
+
+
+# What `ray start` prints when its raylet did not register with the GCS within Ray's fixed 30 s (ray/_private/node.py;
+# no setting changes it). On 2 busy cores a worker node joining a head did miss it (a full suite run, 2026-11-30).
+STARTUP_TIMED_OUT = "The current node timed out during startup"
 
 
 @dataclass
@@ -170,6 +177,26 @@ class CliCluster:
         return "\n".join(parts) or f"(no log files named {pattern})"
 
     def _start_node(self, label: str, args: list[str], num_cpus: int, resources: dict[str, float] | None) -> None:
+        node_dir = self.temp_dir / label
+        node_dir.mkdir(parents=True, exist_ok=True)
+        log = self.temp_dir / f"{label}.log"
+        self.nodes.append(_Node(label, self._spawn(label, args, num_cpus, resources, log), node_dir, log,
+                                (args, num_cpus, resources)))  # fmt: skip
+
+    def _start_again(self, node: _Node) -> None:
+        """Start a node whose ``ray start`` gave up waiting for its raylet to register (:data:`STARTUP_TIMED_OUT`),
+        once, after stopping what its first start left (a raylet that registers late would be a node too many)."""
+        session = node.process.pid  # start_new_session: pid == session id
+        for pid in processes_in_sessions({session}):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not processes_in_sessions({session}), 30, f"the {node.label} node's first start to exit")
+        node.process = self._spawn(node.label, *node.start, node.log)
+        node.started_again = True
+
+    def _spawn(
+        self, label: str, args: list[str], num_cpus: int, resources: dict[str, float] | None, log: Path
+    ) -> subprocess.Popen:
         # Each node has a temp dir of its own, as on separate machines: what Ray ships to a node
         # (a job's working_dir, py_modules) is unpacked there, visibly apart from the head's copy.
         node_dir = self.temp_dir / label
@@ -191,15 +218,12 @@ class CliCluster:
             "--disable-usage-stats",
             "--block",
         ]
-        log = self.temp_dir / f"{label}.log"
-        node_dir.mkdir(parents=True, exist_ok=True)
-        with open(log, "wb") as out:
+        with open(log, "ab") as out:
             # The node's processes, and so its Ray workers, start in this directory (not the
             # tests' checkout): a relative path a worker writes to lands there.
-            process = subprocess.Popen(
+            return subprocess.Popen(
                 command, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=node_dir, start_new_session=True
             )
-        self.nodes.append(_Node(label, process, node_dir, log))
 
     def ray(self, *args: str, timeout_s: float = 180, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
         """Run the ``ray`` CLI against this cluster's environment; returns its exit code and output."""
@@ -231,6 +255,9 @@ class CliCluster:
         def enough() -> bool:
             for node in self.nodes:
                 if node.process.poll() is not None:
+                    if not node.started_again and STARTUP_TIMED_OUT in node.log.read_text(errors="replace"):
+                        self._start_again(node)
+                        continue
                     raise RuntimeError(
                         f"`ray start` for the {node.label} node exited with {node.process.returncode}:\n"
                         + node.log.read_text(errors="replace")[-4000:]
