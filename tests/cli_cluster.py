@@ -177,29 +177,31 @@ class CliCluster:
         return "\n".join(parts) or f"(no log files named {pattern})"
 
     def _start_node(self, label: str, args: list[str], num_cpus: int, resources: dict[str, float] | None) -> None:
+        # Each node has a temp dir of its own, as on separate machines: what Ray ships to a node
+        # (a job's working_dir, py_modules) is unpacked there, visibly apart from the head's copy.
         node_dir = self.temp_dir / label
         node_dir.mkdir(parents=True, exist_ok=True)
         log = self.temp_dir / f"{label}.log"
-        self.nodes.append(_Node(label, self._spawn(label, args, num_cpus, resources, log), node_dir, log,
+        self.nodes.append(_Node(label, self._spawn(label, args, num_cpus, resources, node_dir, log), node_dir, log,
                                 (args, num_cpus, resources)))  # fmt: skip
 
     def _start_again(self, node: _Node) -> None:
         """Start a node whose ``ray start`` gave up waiting for its raylet to register (:data:`STARTUP_TIMED_OUT`),
         once, after stopping what its first start left (a raylet that registers late would be a node too many)."""
-        session = node.process.pid  # start_new_session: pid == session id
-        for pid in processes_in_sessions({session}):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not processes_in_sessions({session}), 30, f"the {node.label} node's first start to exit")
-        node.process = self._spawn(node.label, *node.start, node.log)
+        # start_new_session: the pid is the session's id
+        end_sessions({node.process.pid}, 30, f"the {node.label} node's first start to exit")
+        node.process = self._spawn(node.label, *node.start, node.temp_dir, node.log)
         node.started_again = True
 
     def _spawn(
-        self, label: str, args: list[str], num_cpus: int, resources: dict[str, float] | None, log: Path
+        self,
+        label: str,
+        args: list[str],
+        num_cpus: int,
+        resources: dict[str, float] | None,
+        node_dir: Path,
+        log: Path,
     ) -> subprocess.Popen:
-        # Each node has a temp dir of its own, as on separate machines: what Ray ships to a node
-        # (a job's working_dir, py_modules) is unpacked there, visibly apart from the head's copy.
-        node_dir = self.temp_dir / label
         # Ports with a fixed default (the dashboard agent's 52365, ...) are chosen here, so that
         # several nodes and other clusters on this machine do not collide.
         command = [
@@ -283,14 +285,18 @@ class CliCluster:
                 node.process.wait(timeout=10)
         # `ray start` stops the processes it started; anything left behind (a worker process
         # between tasks, a slow agent) is still in one of these sessions.
-        leftovers = processes_in_sessions(sessions)
-        for pid in leftovers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(AssertionError):  # a test that needs them gone asserts it itself
-            wait_for(lambda: not processes_in_sessions(sessions), 10, "the cluster's processes to exit")
+            end_sessions(sessions, 10, "the cluster's processes to exit")
         self.nodes = []
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def end_sessions(sessions: set[int], timeout_s: float, what: str) -> None:
+    """SIGKILL every process left in ``sessions`` and wait (``timeout_s``, failing with ``what``) until none is."""
+    for pid in processes_in_sessions(sessions):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not processes_in_sessions(sessions), timeout_s, what)
 
 
 def processes_in_sessions(sessions: set[int]) -> list[int]:

@@ -318,7 +318,7 @@ def test_a_node_whose_raylet_missed_rays_startup_wait_is_started_again(monkeypat
     real_spawn = CliCluster._spawn
     first_starts = []
 
-    def spawn(self, label, args, num_cpus, resources, log):
+    def spawn(self, label, args, num_cpus, resources, node_dir, log):
         if label == "worker1" and not first_starts:  # as `ray start` ends when the wait runs out
             with open(log, "ab") as out:
                 first_starts.append(
@@ -328,7 +328,7 @@ def test_a_node_whose_raylet_missed_rays_startup_wait_is_started_again(monkeypat
                     )
                 )  # fmt: skip
             return first_starts[0]
-        return real_spawn(self, label, args, num_cpus, resources, log)
+        return real_spawn(self, label, args, num_cpus, resources, node_dir, log)
 
     monkeypatch.setattr(CliCluster, "_spawn", spawn)
     with CliCluster.start(num_cpus=0) as cluster:
